@@ -1,0 +1,30 @@
+# make demo: create .venv, install, run the main job on the embedded LocalCluster.
+# make test: create .venv, install, run the tests.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test venv bench clean
+
+venv: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -U pip "setuptools<81" wheel
+	# Chainer 7.8.1's sdist imports pkg_resources at build time: no build isolation.
+	$(PY) -m pip install -q --no-build-isolation chainer==7.8.1
+	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m pipeline demo --out runs/demo
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

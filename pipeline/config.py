@@ -1,0 +1,203 @@
+"""The run configuration: frozen dataclasses in small sections, validated with errors that name the field."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+
+STRATEGIES = ("single", "gradient", "mixture", "ipm")
+OPTIMIZERS = ("sgd", "momentum", "adam")
+DEVICES = ("cpu", "gpu", "auto")
+OPT_STATE_MODES = ("keep", "reset", "average")
+LR_SCALINGS = ("none", "linear", "sqrt")
+
+
+def _check(condition: bool, name: str, message: str, value) -> None:
+    if not condition:
+        raise ValueError(f"{name} {message}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "synthetic"  # "synthetic", "synthetic:N:M" (train:test images), or a CIFAR path
+    cache_dir: str | None = None  # where downloads go; None = ~/.cache/dask-chainer-pipeline
+    download: bool = False  # fetch the official archive (MD5-checked) into cache_dir when missing
+    dataset: str = "cifar10"  # cifar10 | cifar100 (python format) ; label kind below for cifar100
+    label_kind: str = "fine"  # CIFAR-100 only: "fine" (100 classes) or "coarse" (20)
+
+    def validate(self) -> None:
+        _check(bool(self.source), "data.source", "must not be empty", self.source)
+        _check(self.dataset in ("cifar10", "cifar100"), "data.dataset", "must be cifar10 or cifar100",
+               self.dataset)
+        _check(self.label_kind in ("fine", "coarse"), "data.label_kind", "must be fine or coarse",
+               self.label_kind)
+
+
+@dataclass(frozen=True)
+class AugmentConfig:
+    policy: str = "cifar"  # name from augment.POLICIES: none | flip | cifar | cifar-cutout
+    chunk: int = 1000  # images per augment- seed chunk (global index ranges, not per worker)
+    resource: str = "CPU"  # worker resource that augment- tasks ask for when a worker advertises it
+    prefetch: int = 1  # rounds of augmentation computed ahead of training (memory: depth x shard)
+
+    def validate(self) -> None:
+        _check(self.chunk >= 1, "augment.chunk", "must be >= 1", self.chunk)
+        _check(self.prefetch >= 0, "augment.prefetch", "must be >= 0", self.prefetch)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "small-cnn"  # key of pipeline.models.MODELS
+    n_classes: int = 10  # output units; taken from the data when it says otherwise
+
+    def validate(self) -> None:
+        _check(self.n_classes >= 2, "model.n_classes", "must be >= 2", self.n_classes)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    strategy: str = "ipm"  # single | gradient | mixture | ipm (seed 000's data-parallel table)
+    replicas: int = 4  # K model replicas; independent of the number of workers
+    epochs: float = 2.0  # passes over the training set (fractions allowed, e.g. 0.5)
+    batch_size: int = 64  # images per replica per step (B); gradient's global batch is K x B
+    optimizer: str = "momentum"  # sgd | momentum | adam
+    lr: float = 0.05  # replica learning rate (Adam: alpha), before scaling and warmup
+    momentum: float = 0.9  # momentum optimizer only
+    weight_decay: float = 0.0  # L2 coefficient, applied by the optimizer
+    lr_scaling: str = "none"  # none | linear | sqrt: multiply lr by K or sqrt(K) (Horovod, seed 004)
+    warmup_epochs: float = 0.0  # linear warmup from lr/K... to lr over this many epochs (seed 004)
+    device: str = "cpu"  # cpu | gpu | auto (gpu when a worker advertises the GPU resource)
+    gpu_resource: str = "GPU"  # worker resource name that GPU train- tasks ask for
+    tta: bool = False  # evaluate with test-time augmentation (flip + shifted crops)
+
+    def validate(self) -> None:
+        _check(self.strategy in STRATEGIES, "train.strategy", f"must be one of {STRATEGIES}",
+               self.strategy)
+        _check(self.replicas >= 1, "train.replicas", "must be >= 1", self.replicas)
+        _check(self.strategy != "single" or self.replicas == 1, "train.replicas",
+               "must be 1 for strategy single", self.replicas)
+        _check(self.epochs > 0, "train.epochs", "must be > 0", self.epochs)
+        _check(self.batch_size >= 1, "train.batch_size", "must be >= 1", self.batch_size)
+        _check(self.optimizer in OPTIMIZERS, "train.optimizer", f"must be one of {OPTIMIZERS}",
+               self.optimizer)
+        _check(self.lr > 0, "train.lr", "must be > 0", self.lr)
+        _check(0 <= self.momentum < 1, "train.momentum", "must be in [0, 1)", self.momentum)
+        _check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0", self.weight_decay)
+        _check(self.lr_scaling in LR_SCALINGS, "train.lr_scaling", f"must be one of {LR_SCALINGS}",
+               self.lr_scaling)
+        _check(self.warmup_epochs >= 0, "train.warmup_epochs", "must be >= 0", self.warmup_epochs)
+        _check(self.device in DEVICES, "train.device", f"must be one of {DEVICES}", self.device)
+
+
+_MIX_RE = re.compile(r"^(\d+)(ep)?$")
+
+
+@dataclass(frozen=True)
+class AverageConfig:
+    mix_every: str = "10"  # ipm period H: "10" = 10 local steps, "1ep" = one epoch
+    fan_in: int = 2  # children per average- task in the reduction tree (dask's split_every)
+    outer_lr: float = 1.0  # outer optimizer on the averaged update (DiLoCo); 1 = plain averaging
+    outer_momentum: float = 0.0  # Nesterov momentum of the outer optimizer; 0 = plain averaging
+    optimizer_state: str = "keep"  # keep | reset | average the replicas' optimizer state at a mix
+
+    def validate(self) -> None:
+        match = _MIX_RE.match(str(self.mix_every))
+        _check(match is not None and int(match.group(1)) >= 1, "average.mix_every",
+               "must be a positive step count like 10 or epochs like 1ep", self.mix_every)
+        _check(self.fan_in >= 2, "average.fan_in", "must be >= 2", self.fan_in)
+        _check(self.outer_lr > 0, "average.outer_lr", "must be > 0", self.outer_lr)
+        _check(0 <= self.outer_momentum < 1, "average.outer_momentum", "must be in [0, 1)",
+               self.outer_momentum)
+        _check(self.optimizer_state in OPT_STATE_MODES, "average.optimizer_state",
+               f"must be one of {OPT_STATE_MODES}", self.optimizer_state)
+
+    def period(self, steps_per_epoch: int) -> int:
+        """H in local steps: "10" -> 10, "2ep" -> 2 * steps_per_epoch."""
+        number, epochs = _MIX_RE.match(str(self.mix_every)).groups()
+        return int(number) * steps_per_epoch if epochs else int(number)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    scheduler: str | None = None  # address of a running `dask scheduler`; None = own LocalCluster
+    workers: int | None = None  # LocalCluster workers; None = sized for the machine
+    threads_per_worker: int = 1  # LocalCluster threads per worker (= BLAS threads per task)
+    dashboard_address: str = "127.0.0.1:0"  # LocalCluster dashboard bind; port 0 = any free port
+    tls_ca_file: str | None = None  # TLS: CA certificate that signed scheduler and workers
+    tls_cert: str | None = None  # TLS: this client's certificate
+    tls_key: str | None = None  # TLS: this client's private key
+    connect_timeout: float = 10.0  # seconds to wait for the scheduler before giving up
+    resource_timeout: float = 5.0  # seconds to wait for a worker with a needed resource
+
+    def validate(self) -> None:
+        _check(self.workers is None or self.workers >= 1, "cluster.workers", "must be >= 1",
+               self.workers)
+        _check(self.threads_per_worker >= 1, "cluster.threads_per_worker", "must be >= 1",
+               self.threads_per_worker)
+        tls = (self.tls_ca_file, self.tls_cert, self.tls_key)
+        _check(all(tls) or not any(tls), "cluster.tls", "needs all of ca file, cert and key", tls)
+        _check(self.connect_timeout > 0, "cluster.connect_timeout", "must be > 0",
+               self.connect_timeout)
+
+
+@dataclass(frozen=True)
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    average: AverageConfig = field(default_factory=AverageConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    seed: int = 0  # the run seed; every random stream derives from it (pipeline.rng)
+    out: str | None = None  # output directory (metrics.jsonl, model.npz, curves.png, checkpoints)
+    eval_every: int = 0  # evaluate every N rounds as well as at each epoch end; 0 = epochs only
+    checkpoint_every: int = 10  # checkpoint every N rounds (and at the end); 0 = end only
+    progress: bool = True  # show a progress bar on stderr
+
+    def validate(self) -> "Config":
+        for section in (self.data, self.augment, self.model, self.train, self.average, self.cluster):
+            section.validate()
+        _check(self.seed >= 0, "seed", "must be >= 0", self.seed)
+        _check(self.eval_every >= 0, "eval_every", "must be >= 0", self.eval_every)
+        _check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0", self.checkpoint_every)
+        return self
+
+    def replace(self, **sections) -> "Config":
+        """Copy with some fields replaced; dotted names reach into sections.
+
+        >>> Config().replace(**{"train.replicas": 2, "seed": 3}).train.replicas
+        2
+        """
+        top, nested = {}, {}
+        for name, value in sections.items():
+            if "." in name:
+                section, key = name.split(".", 1)
+                nested.setdefault(section, {})[key] = value
+            else:
+                top[name] = value
+        for section, values in nested.items():
+            top[section] = dataclasses.replace(getattr(self, section), **values)
+        return dataclasses.replace(self, **top)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        sections = {f.name: f.type for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for name, value in d.items():
+            if name not in sections:
+                raise ValueError(f"config has unknown field {name!r}")
+            if isinstance(value, dict):
+                section_cls = {"data": DataConfig, "augment": AugmentConfig, "model": ModelConfig,
+                               "train": TrainConfig, "average": AverageConfig,
+                               "cluster": ClusterConfig}[name]
+                kwargs[name] = section_cls(**value)
+            else:
+                kwargs[name] = value
+        return cls(**kwargs)
