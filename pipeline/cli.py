@@ -1,0 +1,86 @@
+"""The command line: argument parsing and the mapping of user errors to one line and exit status 2."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pipeline.errors import UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's default prints usage; we print one line
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _add_synth(sub):
+    p = sub.add_parser("synth", help="write a synthetic dataset in the official CIFAR-10 python format")
+    p.add_argument("--out", required=True, help="directory to write cifar-10-batches-py/ into")
+    p.add_argument("--train", type=int, default=5000, help="training images (default 5000)")
+    p.add_argument("--test", type=int, default=1000, help="test images (default 1000)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tar", action="store_true", help="also pack cifar-10-python.tar.gz")
+    p.set_defaults(func=_run_synth)
+
+
+def _run_synth(args):
+    from pipeline.cifar import write_synthetic
+    path = write_synthetic(args.out, n_train=args.train, n_test=args.test, seed=args.seed,
+                           tar=args.tar)
+    print(path)
+
+
+def _add_inspect(sub):
+    p = sub.add_parser("inspect", help="print counts, shape and class histogram of a dataset as JSON")
+    p.add_argument("--data", required=True, help="synthetic[:N:M], a CIFAR directory or tarball")
+    p.add_argument("--download", action="store_true", help="fetch the official archive if missing")
+    p.set_defaults(func=_run_inspect)
+
+
+def _run_inspect(args):
+    from pipeline.data import inspect_dataset
+    print(json.dumps(inspect_dataset(args.data, download=args.download)))
+
+
+def _add_fetch(sub):
+    p = sub.add_parser("fetch", help="download an official CIFAR archive into the cache (MD5-checked)")
+    p.add_argument("--dataset", default="cifar10", choices=["cifar10", "cifar100"])
+    p.add_argument("--format", default="python", choices=["python", "binary"])
+    p.add_argument("--cache-dir", default=None)
+    p.set_defaults(func=_run_fetch)
+
+
+def _run_fetch(args):
+    from pipeline.data import fetch
+    print(fetch(args.dataset, fmt=args.format, cache_dir=args.cache_dir))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m pipeline",
+                     description="Data-parallel Chainer training on Dask task graphs.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for add in (_add_synth, _add_inspect, _add_fetch):
+        add(sub)
+    from pipeline import commands  # train, evaluate, demo live with the training code
+    commands.add_subcommands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
+        result = args.func(args)
+        return int(result or 0)
+    except UsageError as exc:  # includes DataError, ClusterError, ResumeError
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # config validation names the field
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
