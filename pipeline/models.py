@@ -1,0 +1,156 @@
+"""Model definitions by name: Chainer Chains that map (N, 3, 32, 32) float32 to (N, classes) logits.
+
+Models hold no training logic. Randomness is explicit: initial weights come from the RandomState
+given to the constructor (Chainer initializers take one), dropout masks from a numpy Generator
+passed to the call, so a replica never touches NumPy's global RNG.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from pipeline.compat import F, L, chainer
+
+I = chainer.initializers
+
+
+def _dropout(x, ratio: float, rng: np.random.Generator | None):
+    """Dropout with a mask drawn on the host from ``rng`` (train mode only)."""
+    if not chainer.config.train or ratio == 0:
+        return x
+    if rng is None:
+        raise ValueError("dropout in train mode needs an explicit rng")
+    xp = chainer.backend.get_array_module(x)
+    keep = rng.random(x.shape, dtype=np.float32) >= ratio
+    mask = xp.asarray(keep.astype(np.float32) / np.float32(1 - ratio))
+    return F.dropout(x, ratio, mask=mask)
+
+
+class Cifar2015(chainer.Chain):
+    """Seed 000's CIFAR-10 net (mitmul's models/Cifar10.py) ported to Chainer 7.
+
+    conv 5x5 32-32-64 with 3x3/2 max-pools, spatial pyramid pooling (height 3: 64 x (1+4+16) =
+    1344 features), fc 4096 with dropout 0.5, fc classes. 5.6 M parameters, 22 MB in float32.
+    """
+
+    def __init__(self, n_classes: int = 10, rng: np.random.RandomState | None = None):
+        super().__init__()
+        he = dict(initialW=I.HeNormal(rng=rng))
+        with self.init_scope():
+            self.conv1 = L.Convolution2D(3, 32, 5, stride=1, pad=2, **he)
+            self.conv2 = L.Convolution2D(32, 32, 5, stride=1, pad=2, **he)
+            self.conv3 = L.Convolution2D(32, 64, 5, stride=1, pad=2, **he)
+            self.fc4 = L.Linear(1344, 4096, initialW=I.LeCunNormal(rng=rng))
+            self.fc5 = L.Linear(4096, n_classes, initialW=I.LeCunNormal(rng=rng))
+
+    def forward(self, x, rng: np.random.Generator | None = None):
+        h = F.max_pooling_2d(F.relu(self.conv1(x)), 3, stride=2)
+        h = F.max_pooling_2d(F.relu(self.conv2(h)), 3, stride=2)
+        h = F.relu(self.conv3(h))
+        h = F.spatial_pyramid_pooling_2d(h, 3, pooling="max")
+        h = _dropout(F.relu(self.fc4(h)), 0.5, rng)
+        return self.fc5(h)
+
+
+class SmallCNN(chainer.Chain):
+    """A small fast net for CPU tests and demos: three 3x3 convs (16-32-32) with pooling, one fc.
+
+    No BatchNorm and no dropout, so a step depends only on the data and the weights: the tests
+    that compare strategies step for step use it. 15 k parameters.
+    """
+
+    def __init__(self, n_classes: int = 10, rng: np.random.RandomState | None = None):
+        super().__init__()
+        he = dict(initialW=I.HeNormal(rng=rng))
+        with self.init_scope():
+            self.conv1 = L.Convolution2D(3, 16, 3, pad=1, **he)
+            self.conv2 = L.Convolution2D(16, 32, 3, pad=1, **he)
+            self.conv3 = L.Convolution2D(32, 32, 3, pad=1, **he)
+            self.fc = L.Linear(32 * 4 * 4, n_classes, initialW=I.LeCunNormal(rng=rng))
+
+    def forward(self, x, rng: np.random.Generator | None = None):
+        h = F.max_pooling_2d(F.relu(self.conv1(x)), 2)  # 16 x 16
+        h = F.max_pooling_2d(F.relu(self.conv2(h)), 2)  # 8 x 8
+        h = F.average_pooling_2d(F.relu(self.conv3(h)), 2)  # 4 x 4
+        return self.fc(h)
+
+
+class _Basic(chainer.Chain):
+    """ResNet basic block: conv-BN-ReLU-conv-BN plus a 1x1 projection shortcut when shapes change."""
+
+    def __init__(self, cin: int, cout: int, stride: int, rng):
+        super().__init__()
+        he = dict(initialW=I.HeNormal(rng=rng), nobias=True)
+        with self.init_scope():
+            self.conv1 = L.Convolution2D(cin, cout, 3, stride, 1, **he)
+            self.bn1 = L.BatchNormalization(cout)
+            self.conv2 = L.Convolution2D(cout, cout, 3, 1, 1, **he)
+            self.bn2 = L.BatchNormalization(cout)
+            if stride != 1 or cin != cout:
+                self.proj = L.Convolution2D(cin, cout, 1, stride, 0, **he)
+                self.bnp = L.BatchNormalization(cout)
+
+    def forward(self, x):
+        h = F.relu(self.bn1(self.conv1(x)))
+        h = self.bn2(self.conv2(h))
+        shortcut = self.bnp(self.proj(x)) if hasattr(self, "proj") else x
+        return F.relu(h + shortcut)
+
+
+class ResNet20(chainer.Chain):
+    """The classic CIFAR ResNet-20 (He et al. 2016, sec. 4.2): 3 stages x 3 basic blocks, 16-32-64
+    channels, BatchNorm, global average pooling. 0.27 M parameters."""
+
+    def __init__(self, n_classes: int = 10, rng: np.random.RandomState | None = None,
+                 blocks: int = 3):
+        super().__init__()
+        with self.init_scope():
+            self.conv1 = L.Convolution2D(3, 16, 3, 1, 1, nobias=True, initialW=I.HeNormal(rng=rng))
+            self.bn1 = L.BatchNormalization(16)
+            self.stages = chainer.ChainList(*[
+                _Basic(cin if i == 0 else cout, cout, stride if i == 0 else 1, rng)
+                for cin, cout, stride in ((16, 16, 1), (16, 32, 2), (32, 64, 2))
+                for i in range(blocks)])
+            self.fc = L.Linear(64, n_classes, initialW=I.LeCunNormal(rng=rng))
+
+    def forward(self, x, rng: np.random.Generator | None = None):
+        h = F.relu(self.bn1(self.conv1(x)))
+        for block in self.stages:
+            h = block(h)
+        return self.fc(F.mean(h, axis=(2, 3)))
+
+
+MODELS: dict[str, Callable[..., chainer.Chain]] = {
+    "cifar10-2015": Cifar2015,
+    "resnet20": ResNet20,
+    "small-cnn": SmallCNN,
+}
+
+
+def check_model_name(name: str) -> str:
+    if name not in MODELS:
+        raise ValueError(f"model.name must be one of {sorted(MODELS)}, got {name!r}")
+    return name
+
+
+def build_model(name: str, n_classes: int = 10, seed: int | None = None) -> chainer.Chain:
+    """A fresh model. ``seed`` fixes its initial weights (the run's 'init' stream); None draws
+    them from a throwaway generator (for Links whose weights are loaded right after).
+
+    >>> a, b = build_model("small-cnn", seed=1), build_model("small-cnn", seed=1)
+    >>> bool((a.conv1.W.array == b.conv1.W.array).all())
+    True
+    """
+    from pipeline.rng import legacy_state_for
+    check_model_name(name)
+    rng = legacy_state_for(seed if seed is not None else 0, "init")
+    model = MODELS[name](n_classes=n_classes, rng=rng)
+    # Lazily initialised parameters would draw later from the global RNG: materialise them now.
+    with chainer.using_config("train", False), chainer.no_backprop_mode():
+        model(np.zeros((1, 3, 32, 32), np.float32))
+    return model
+
+
+def count_parameters(model: chainer.Link) -> int:
+    return int(sum(p.size for p in model.params()))

@@ -1,0 +1,107 @@
+"""The plan of a run as plain values: rounds, which epoch positions each replica trains on, and learning rates.
+
+Every strategy draws its batches from the same sequence: at epoch ``e`` the training set is
+permuted by ``rng_for(seed, "shuffle", e)``, and global step ``s`` of that epoch covers positions
+``[s*K*B, (s+1)*K*B)`` of the permutation, replica ``k`` taking the ``k``-th run of ``B``. So
+``gradient`` with K replicas of batch B sees exactly the batches of ``single`` with batch K*B, and
+``ipm`` with H=1 exactly those of ``gradient``.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from pipeline.errors import UsageError
+from pipeline.rng import rng_for
+
+
+class Round(NamedTuple):
+    index: int  # 0-based round number over the whole run
+    epoch: int  # epoch this round belongs to (rounds never straddle epochs)
+    step: int  # first step of the round within its epoch
+    steps: int  # local steps each replica takes in this round
+    global_step: int  # first step of the round counted from the start of the run
+    mix: bool  # the replicas are averaged (or the gradient applied) at the end of the round
+    epoch_end: bool  # last round of its epoch
+
+
+def steps_per_epoch(n_train: int, replicas: int, batch_size: int) -> int:
+    """Full global batches of K*B in one pass (the remainder of the permutation is dropped).
+
+    >>> steps_per_epoch(5000, 4, 64)
+    19
+    """
+    steps = n_train // (replicas * batch_size)
+    if steps < 1:
+        raise UsageError(
+            f"train.batch_size {batch_size} x train.replicas {replicas} = {batch_size * replicas} is "
+            f"larger than the {n_train} training images: each replica's shard needs one batch")
+    return steps
+
+
+def round_period(strategy: str, mix_every_steps: int) -> int:
+    """Local steps per round: one for gradient (each step is a reduction), else H."""
+    return 1 if strategy == "gradient" else mix_every_steps
+
+
+def plan_rounds(n_train: int, replicas: int, batch_size: int, epochs: float, period: int,
+                strategy: str) -> list[Round]:
+    """All rounds of a run.
+
+    >>> [r.steps for r in plan_rounds(5000, 4, 64, 1, 8, "ipm")]
+    [8, 8, 3]
+    >>> [r.mix for r in plan_rounds(5000, 2, 64, 1, 20, "mixture")]
+    [False, True]
+    """
+    per_epoch = steps_per_epoch(n_train, replicas, batch_size)
+    total = max(1, int(round(epochs * per_epoch)))
+    rounds, global_step = [], 0
+    while global_step < total:
+        epoch, step = divmod(global_step, per_epoch)
+        steps = min(period, per_epoch - step, total - global_step)
+        end = global_step + steps
+        rounds.append(Round(len(rounds), epoch, step, steps, global_step,
+                            mix=strategy in ("ipm", "gradient"),
+                            epoch_end=end % per_epoch == 0 or end == total))
+        global_step = end
+    if strategy == "mixture":
+        rounds[-1] = rounds[-1]._replace(mix=True)
+    return rounds
+
+
+def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The order of the training set in ``epoch``: (n,) int64."""
+    return rng_for(seed, "shuffle", epoch).permutation(n)
+
+
+def shard_positions(rnd: Round, replica: int, replicas: int, batch_size: int) -> np.ndarray:
+    """Positions in the epoch's permutation that ``replica`` trains on in ``rnd``, in step order.
+
+    >>> shard_positions(Round(0, 0, 1, 2, 1, True, False), 1, 2, 3).tolist()
+    [9, 10, 11, 15, 16, 17]
+    """
+    starts = (np.arange(rnd.step, rnd.step + rnd.steps) * replicas + replica) * batch_size
+    return (starts[:, None] + np.arange(batch_size)).ravel()
+
+
+def learning_rate(base_lr: float, replicas: int, scaling: str, warmup_steps: int,
+                  global_step: int) -> float:
+    """Replica learning rate at ``global_step``: ``base_lr`` scaled by K (linear) or sqrt(K),
+    reached by a linear warmup over ``warmup_steps`` as in Goyal et al. and Horovod (seed 004).
+
+    With scaling the warmup starts from the unscaled ``base_lr``; without it, from zero.
+
+    >>> learning_rate(0.1, 4, "linear", 0, 0)
+    0.4
+    >>> learning_rate(0.1, 4, "linear", 10, 5)
+    0.25
+    """
+    factor = {"none": 1.0, "linear": float(replicas), "sqrt": math.sqrt(replicas)}[scaling]
+    target = base_lr * factor
+    if warmup_steps <= 0 or global_step >= warmup_steps:
+        return target
+    start = base_lr if factor > 1 else 0.0
+    frac = (global_step + 1) / (warmup_steps + 1) if start == 0.0 else global_step / warmup_steps
+    return start + (target - start) * frac
