@@ -78,7 +78,9 @@ def _pkg_resources_stub() -> types.ModuleType:
 def _import_time_stubs():
     added = []
     try:
-        import numpy.distutils.system_info  # noqa: F401
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # numpy.distutils' own deprecation notice
+            import numpy.distutils.system_info  # noqa: F401
     except Exception:
         system_info = _stub_module("numpy.distutils.system_info", get_info=lambda name: {})
         distutils = _stub_module("numpy.distutils", system_info=system_info)
@@ -108,6 +110,7 @@ def _import_chainer():
         warnings.simplefilter("ignore", UserWarning)  # pkg_resources deprecation, CuPy version notes
         import chainer
         import chainer.functions
+        import chainer.gradient_check
         import chainer.links
         import chainer.serializers
     return chainer
@@ -117,5 +120,6 @@ chainer = _import_chainer()
 F = chainer.functions
 L = chainer.links
 serializers = chainer.serializers
+gradient_check = chainer.gradient_check
 
-__all__ = ["chainer", "F", "L", "serializers"]
+__all__ = ["chainer", "F", "L", "serializers", "gradient_check"]
