@@ -1,0 +1,273 @@
+"""Connecting to Dask: an embedded LocalCluster or an external scheduler (TLS), worker resources, fail-fast checks."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+
+import distributed
+from dask.system import CPU_COUNT
+from distributed.security import Security
+
+from pipeline.config import ClusterConfig
+from pipeline.errors import ClusterError
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.1  # how often require_* ask the scheduler again; a scheduler_info round trip is ~1 ms
+_TLS_FIELDS = (("tls_ca_file", "--tls-ca-file"), ("tls_cert", "--tls-cert"), ("tls_key", "--tls-key"))
+
+
+def security_from(cfg: ClusterConfig) -> Security | None:
+    """The client's TLS `Security` from the cluster section, or None when no TLS file is given.
+
+    Encryption is required once TLS is configured, so a plain tcp:// address is refused rather
+    than silently used.
+
+    >>> security_from(ClusterConfig()) is None
+    True
+    >>> security_from(ClusterConfig(tls_ca_file="/nope/ca.pem", tls_cert="c.pem", tls_key="k.pem"))
+    Traceback (most recent call last):
+    ...
+    pipeline.errors.ClusterError: cluster.tls_ca_file (--tls-ca-file): no such file '/nope/ca.pem'
+    """
+    paths = {name: getattr(cfg, name) for name, _ in _TLS_FIELDS}
+    if not any(paths.values()):
+        return None
+    for name, flag in _TLS_FIELDS:
+        path = paths[name]
+        if not path:
+            raise ClusterError(f"cluster.{name} ({flag}) is required with the other TLS files")
+        if not os.path.isfile(path):
+            raise ClusterError(f"cluster.{name} ({flag}): no such file {path!r}")
+    return Security(tls_ca_file=paths["tls_ca_file"], tls_client_cert=paths["tls_cert"],
+                    tls_client_key=paths["tls_key"], require_encryption=True)
+
+
+def scheduler_address(cfg: ClusterConfig) -> str | None:
+    """The external scheduler to use: `cfg.scheduler`, else $DASK_SCHEDULER_ADDRESS, else None.
+
+    >>> scheduler_address(ClusterConfig(scheduler="tcp://10.0.0.5:8786"))
+    'tcp://10.0.0.5:8786'
+    """
+    return cfg.scheduler or os.environ.get("DASK_SCHEDULER_ADDRESS") or None
+
+
+def default_workers(threads_per_worker: int) -> int:
+    """LocalCluster worker processes that fill the machine's cores (affinity and cgroup aware).
+
+    >>> default_workers(10**6)
+    1
+    """
+    return max(1, CPU_COUNT // threads_per_worker)
+
+
+@contextlib.contextmanager
+def connect(cfg: ClusterConfig, log: Callable[[str], None] | None = None,
+            min_workers: int = 1) -> Iterator[distributed.Client]:
+    """A Client for the run: an external scheduler when one is given, else an embedded LocalCluster.
+
+    External: waits at most `cfg.connect_timeout` s for the scheduler and then for `min_workers`
+    workers, raising ClusterError otherwise. Embedded: `cfg.workers` processes (default: one per
+    `cfg.threads_per_worker` cores) on 127.0.0.1, each advertising `CPU=threads_per_worker`, the
+    dashboard on `cfg.dashboard_address`. `log` (default: this module's logger) gets one line with
+    the scheduler and dashboard link. Everything this opens is closed on exit, also on errors.
+    """
+    log = log or logger.info
+    address = scheduler_address(cfg)
+    security = security_from(cfg)
+    if address is None:
+        if security is not None:
+            raise ClusterError("--tls-ca-file/--tls-cert/--tls-key need --scheduler tls://HOST:PORT; "
+                               "the embedded LocalCluster listens on 127.0.0.1 without TLS")
+        with _local_cluster(cfg) as client:
+            log(_summary_line("started LocalCluster", client))
+            yield client
+        return
+    with _external_client(address, security, cfg.connect_timeout) as client:
+        require_workers(client, min_workers, cfg.connect_timeout)
+        log(_summary_line("connected to", client))
+        yield client
+
+
+@contextlib.contextmanager
+def _local_cluster(cfg: ClusterConfig) -> Iterator[distributed.Client]:
+    workers = cfg.workers or default_workers(cfg.threads_per_worker)
+    cluster = distributed.LocalCluster(
+        n_workers=workers, threads_per_worker=cfg.threads_per_worker, processes=True,
+        host="127.0.0.1", dashboard_address=cfg.dashboard_address,
+        resources={"CPU": cfg.threads_per_worker})
+    # Client before cluster on the way out: the reverse order logs CommClosedError tracebacks.
+    with cluster, distributed.Client(cluster) as client:
+        yield client
+
+
+@contextlib.contextmanager
+def _external_client(address: str, security: Security | None,
+                     timeout: float) -> Iterator[distributed.Client]:
+    address = _with_protocol(address, security)
+    try:
+        client = distributed.Client(address, security=security, timeout=timeout)
+    except (OSError, RuntimeError, ValueError) as exc:  # OSError covers TimeoutError and refusals
+        raise ClusterError(f"cannot reach scheduler at {address} within {timeout:g} s: "
+                           f"{_one_line(exc)}") from None
+    with client:
+        yield client
+
+
+def _with_protocol(address: str, security: Security | None) -> str:
+    """Default a bare HOST:PORT to tls:// under TLS; refuse an explicit non-TLS protocol then.
+
+    >>> _with_protocol("127.0.0.1:8786", Security(require_encryption=True))
+    'tls://127.0.0.1:8786'
+    >>> _with_protocol("127.0.0.1:8786", None)
+    '127.0.0.1:8786'
+    """
+    if security is None:
+        if address.startswith("tls://"):
+            raise ClusterError(f"scheduler {address} uses TLS: give --tls-ca-file, --tls-cert and "
+                               "--tls-key")
+        return address
+    if "://" not in address:
+        return "tls://" + address
+    if not address.startswith("tls://"):
+        raise ClusterError(f"TLS files given but scheduler address {address} is not tls://")
+    return address
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def worker_resources(client: distributed.Client) -> dict[str, dict[str, float]]:
+    """{worker address: {resource name: amount}} for every connected worker ({} when none)."""
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    return {addr: dict(info.get("resources") or {}) for addr, info in workers.items()}
+
+
+def has_resource(client: distributed.Client, name: str) -> bool:
+    """Whether some connected worker advertises a positive amount of resource `name`."""
+    return any(res.get(name, 0) > 0 for res in worker_resources(client).values())
+
+
+def require_resource(client: distributed.Client, name: str, timeout: float) -> None:
+    """Return once a worker advertises resource `name`; ClusterError after `timeout` s otherwise.
+
+    A cluster this process started itself (`client.cluster` set) will not gain workers, so it is
+    checked once without waiting. The error lists what the workers do advertise.
+    """
+    deadline = time.monotonic() + (0 if client.cluster is not None else timeout)
+    while True:
+        resources = worker_resources(client)
+        if any(res.get(name, 0) > 0 for res in resources.values()):
+            return
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(_POLL_S)
+    raise ClusterError(
+        f"no worker advertises resource {name!r} (waited {timeout:g} s); workers advertise: "
+        f"{_resource_summary(resources)}; start one with `dask worker ADDR --resources {name}=1`")
+
+
+def require_workers(client: distributed.Client, n: int, timeout: float) -> None:
+    """Return once at least `n` workers are connected; ClusterError after `timeout` s otherwise."""
+    deadline = time.monotonic() + timeout
+    while len(worker_resources(client)) < n:
+        if time.monotonic() >= deadline:
+            raise ClusterError(f"scheduler {client.scheduler.address} has "
+                               f"{len(worker_resources(client))} workers, needs {n} "
+                               f"(waited {timeout:g} s); start some with `dask worker "
+                               f"{client.scheduler.address}`")
+        time.sleep(_POLL_S)
+
+
+def _resource_summary(resources: dict[str, dict[str, float]]) -> str:
+    """One line per cluster: `addr CPU=1, addr2 (none)`.
+
+    >>> _resource_summary({"tcp://a:1": {"CPU": 1.0, "GPU": 2.0}, "tcp://b:2": {}})
+    'tcp://a:1 CPU=1 GPU=2, tcp://b:2 (none)'
+    >>> _resource_summary({})
+    '(no workers connected)'
+    """
+    if not resources:
+        return "(no workers connected)"
+    parts = []
+    for addr, res in sorted(resources.items()):
+        text = " ".join(f"{k}={v:g}" for k, v in sorted(res.items())) or "(none)"
+        parts.append(f"{addr} {text}")
+    return ", ".join(parts)
+
+
+def describe(client: distributed.Client) -> dict:
+    """Scheduler, worker count, total threads, total resources and dashboard link, for logs.
+
+    Returns {"scheduler": str, "workers": int, "threads": int, "resources": {name: total},
+    "per_worker": {addr: {"nthreads": int, "resources": {...}}}, "dashboard": str | None}.
+    """
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    totals: dict[str, float] = {}
+    for info in workers.values():
+        for name, amount in (info.get("resources") or {}).items():
+            totals[name] = totals.get(name, 0) + amount
+    return {
+        "scheduler": client.scheduler.address,
+        "workers": len(workers),
+        "threads": sum(info["nthreads"] for info in workers.values()),
+        "resources": dict(sorted(totals.items())),
+        "per_worker": {addr: {"nthreads": info["nthreads"],
+                              "resources": dict(info.get("resources") or {})}
+                       for addr, info in sorted(workers.items())},
+        "dashboard": _dashboard_link(client),
+    }
+
+
+def _dashboard_link(client: distributed.Client) -> str | None:
+    try:
+        return client.dashboard_link
+    except (KeyError, AttributeError):  # the scheduler runs without a dashboard (no bokeh)
+        return None
+
+
+def _summary_line(what: str, client: distributed.Client) -> str:
+    d = describe(client)
+    res = " ".join(f"{k}={v:g}" for k, v in d["resources"].items()) or "none"
+    return (f"{what} {d['scheduler']}: {d['workers']} workers, {d['threads']} threads, "
+            f"resources {res}; dashboard {d['dashboard'] or '(off)'}")
+
+
+def worker_threads() -> int:
+    """Threads of the worker running the current task; the usable cores outside a worker.
+
+    A task that has its worker to itself (a `--nthreads 1` worker, as docs/cluster.md recommends,
+    or a task holding all of the worker's CPU resource) can run this many BLAS threads without
+    oversubscribing the cores the worker was given; see `limit_blas_threads`.
+
+    >>> worker_threads() >= 1
+    True
+    """
+    try:
+        return distributed.get_worker().state.nthreads
+    except ValueError:  # not inside a task
+        pass
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+@contextlib.contextmanager
+def limit_blas_threads(threads: int | None = None) -> Iterator[int]:
+    """Cap BLAS/OpenMP pools at `threads` (default: `worker_threads()`) for the block; yields it.
+
+    The limit is per process (threadpoolctl), so it is exact on one-thread workers.
+
+    >>> with limit_blas_threads(1) as n:
+    ...     n
+    1
+    """
+    from threadpoolctl import threadpool_limits
+    threads = threads or worker_threads()
+    with threadpool_limits(limits=threads):
+        yield threads
