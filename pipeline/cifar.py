@@ -1,0 +1,766 @@
+"""The CIFAR file formats: find, read and validate the official batches, write them, and draw synthetic ones.
+
+Pure format code (no dask): the graph builder in ``pipeline.data`` ships :func:`load` to workers.
+
+Formats (https://www.cs.toronto.edu/~kriz/cifar.html):
+
+* CIFAR-10 python, ``cifar-10-batches-py/``: ``data_batch_1`` .. ``data_batch_5``, ``test_batch``
+  and ``batches.meta``, each a Python 2 pickle (protocol 2) of a dict with bytes keys. A batch
+  holds ``b'data'`` (uint8 ``(N, 3072)``, rows are R then G then B planes of 32x32),
+  ``b'labels'`` (list of int), ``b'batch_label'`` and ``b'filenames'``.
+* CIFAR-10 binary, ``cifar-10-batches-bin/``: ``data_batch_1.bin`` .. ``test_batch.bin`` of
+  3073-byte records (one label byte, then the 3072 image bytes) and ``batches.meta.txt``.
+* CIFAR-100 python, ``cifar-100-python/``: ``train``, ``test`` and ``meta`` pickles with
+  ``b'fine_labels'`` (100 classes) and ``b'coarse_labels'`` (20).
+
+The pickles are read with a restricted unpickler that resolves only numpy's array
+reconstruction globals: anything else is refused before it can run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import io
+import os
+import pickle
+import struct
+import tarfile
+import zlib
+from typing import NamedTuple
+
+import numpy as np
+
+from pipeline.errors import DataError
+from pipeline.rng import rng_for
+
+try:  # NumPy >= 2 moved the module; the official files name the old path, pickles from NumPy 2 the new
+    from numpy._core.multiarray import _reconstruct
+except ImportError:  # pragma: no cover - NumPy 1.x
+    from numpy.core.multiarray import _reconstruct
+
+IMAGE_SHAPE = (3, 32, 32)
+IMAGE_BYTES = 3 * 32 * 32
+RECORD_BYTES = 1 + IMAGE_BYTES  # binary version: one label byte, then the image
+TRAIN_BATCHES = 5  # CIFAR-10 splits its 50,000 training images over five batch files
+CIFAR10_LABEL_NAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",
+                       "ship", "truck")
+SPLITS = {"train": 0, "test": 1}  # split ids in the synthetic generator's RNG coordinates
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The files of one official format."""
+    key: str  # "cifar10-python" | "cifar10-binary" | "cifar100-python"
+    top: str  # directory name, inside the official archive and when extracted
+    archive: str  # official archive file name
+    train: tuple[str, ...]  # training batch files, in order
+    test: tuple[str, ...]  # test batch files
+    meta: str  # the file with the label names
+    optional: tuple[str, ...]  # files the official archive also holds
+
+
+LAYOUTS = {
+    "cifar10-python": Layout("cifar10-python", "cifar-10-batches-py", "cifar-10-python.tar.gz",
+                             tuple(f"data_batch_{i}" for i in range(1, 6)), ("test_batch",),
+                             "batches.meta", ("readme.html",)),
+    "cifar10-binary": Layout("cifar10-binary", "cifar-10-batches-bin", "cifar-10-binary.tar.gz",
+                             tuple(f"data_batch_{i}.bin" for i in range(1, 6)), ("test_batch.bin",),
+                             "batches.meta.txt", ("readme.html",)),
+    "cifar100-python": Layout("cifar100-python", "cifar-100-python", "cifar-100-python.tar.gz",
+                              ("train",), ("test",), "meta", ("file.txt~",)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchFile:
+    """One batch file, enough for any worker that sees the same path to read it."""
+    layout: str  # key of LAYOUTS
+    path: str  # the batch file, or the tarball that holds it
+    member: str | None = None  # member name inside the tarball; None for a plain file
+    label_kind: str = "fine"  # CIFAR-100 only: "fine" or "coarse" labels
+    n: int = -1  # images found when the source was scanned (-1: not scanned); load() checks it
+
+    @property
+    def where(self) -> str:
+        """How errors name this file: ``path`` or ``archive:member``."""
+        return f"{self.path}:{self.member}" if self.member else self.path
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticChunk:
+    """One chunk of the synthetic dataset: made on whichever worker runs it, same bytes everywhere."""
+    seed: int  # data seed
+    split: str  # "train" | "test"
+    index: int  # chunk number within the split (the batch file number minus one)
+    n: int  # images in the chunk
+
+
+class Catalog(NamedTuple):
+    """What a scan of a CIFAR source found; every batch file was read once and validated."""
+    layout: str  # key of LAYOUTS
+    train: tuple[BatchFile, ...]  # training batch files with their image counts
+    test: tuple[BatchFile, ...]
+    label_names: tuple[str, ...]
+    class_counts_train: tuple[int, ...]  # training images per class
+    stamp: tuple  # (path, size, mtime_ns) of every file read: same stamp, same data
+
+
+# --------------------------------------------------------------------------------------------
+# The load- task
+
+
+def load(chunk: BatchFile | SyntheticChunk) -> tuple[np.ndarray, np.ndarray]:
+    """The ``load-`` task: one batch file (or synthetic chunk) -> images and labels.
+
+    Returns images ``(n, 3, 32, 32) uint8`` and labels ``(n,) int32``, read in one pass.
+
+    >>> images, labels = load(SyntheticChunk(seed=0, split="train", index=0, n=4))
+    >>> images.shape, images.dtype, labels.dtype
+    ((4, 3, 32, 32), dtype('uint8'), dtype('int32'))
+    """
+    if isinstance(chunk, SyntheticChunk):
+        return synthetic_batch(chunk.seed, chunk.split, chunk.index, chunk.n)
+    if chunk.member is None:
+        raw = _read_file(chunk.path)
+    else:
+        raw = _read_archive(chunk.path, {chunk.member})[1].get(chunk.member)
+        if raw is None:
+            raise DataError(f"{chunk.where}: missing from the archive")
+    images, labels = parse_batch(chunk.layout, raw, chunk.where, chunk.label_kind)
+    if chunk.n >= 0 and len(labels) != chunk.n:
+        raise DataError(f"{chunk.where}: holds {len(labels)} images but held {chunk.n} when the "
+                        "dataset was opened (the file changed)")
+    return images, labels
+
+
+# --------------------------------------------------------------------------------------------
+# Finding and scanning a source
+
+
+def scan(path: str, label_kind: str = "fine", prefer: str = "cifar10") -> Catalog:
+    """Find the CIFAR data at ``path``, read every batch once, validate it, and count it.
+
+    ``path`` is an official tarball (read in place, never extracted), an extracted
+    ``cifar-10-batches-py/``, ``cifar-10-batches-bin/`` or ``cifar-100-python/`` directory, or a
+    directory holding one of those or an official tarball. ``prefer`` ("cifar10"/"cifar100") picks
+    when a directory holds several. Raises DataError naming the file and the problem.
+    """
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.exists(path):
+        raise DataError(f"{path}: no such file or directory")
+    if os.path.isdir(path):
+        kind, where, layout = locate(path, prefer)
+        if kind == "dir":
+            return _scan_dir(where, LAYOUTS[layout], label_kind)
+        path = where
+    return _scan_archive(path, label_kind)
+
+
+def locate(path: str, prefer: str = "cifar10") -> tuple[str, str, str | None]:
+    """Where the data in directory ``path`` is: ``("dir", directory, layout key)`` or
+    ``("archive", tarball, None)``; DataError when there is none."""
+    order = sorted(LAYOUTS.values(), key=lambda lay: not lay.key.startswith(prefer + "-"))
+    for lay in order:
+        if os.path.basename(path) == lay.top:
+            return "dir", path, lay.key
+    for lay in order:
+        if os.path.isdir(os.path.join(path, lay.top)):
+            return "dir", os.path.join(path, lay.top), lay.key
+    for lay in order:
+        if os.path.isfile(os.path.join(path, lay.archive)):
+            return "archive", os.path.join(path, lay.archive), None
+    for lay in order:  # a renamed extracted directory: recognise it by its files
+        if any(os.path.exists(os.path.join(path, name)) for name in (lay.meta, lay.train[0])):
+            return "dir", path, lay.key
+    raise DataError(f"{path}: no CIFAR data here (expected cifar-10-batches-py/, "
+                    "cifar-10-batches-bin/, cifar-100-python/ or an official .tar.gz)")
+
+
+def _check_names(where: str, lay: Layout, names: set[str]) -> None:
+    """Missing or unexpected files of a layout (dotfiles and editor backups ``*~`` are let be)."""
+    required = (*lay.train, *lay.test, lay.meta)
+    missing = [name for name in required if name not in names]
+    if missing:
+        raise DataError(f"{where}: missing {', '.join(missing)} ({lay.top} holds "
+                        f"{', '.join(required)})")
+    extra = sorted(name for name in names if name not in required and name not in lay.optional
+                   and not name.startswith(".") and not name.endswith("~"))
+    if extra:
+        raise DataError(f"{where}: unexpected file(s) {', '.join(extra)} ({lay.top} holds only "
+                        f"{', '.join((*required, *lay.optional))})")
+
+
+def _scan_dir(directory: str, lay: Layout, label_kind: str) -> Catalog:
+    try:
+        names = set(os.listdir(directory))
+    except OSError as exc:
+        raise DataError(f"{directory}: cannot list the directory ({one_line(exc)})") from None
+    _check_names(directory, lay, names)
+    paths = {name: os.path.join(directory, name) for name in (*lay.train, *lay.test, lay.meta)}
+    files = {name: BatchFile(lay.key, path, None, label_kind) for name, path in paths.items()}
+    catalog = _catalog(lay, lambda name: _read_file(paths[name]), files, (), label_kind)
+    return catalog._replace(stamp=tuple(_stamp(path) for path in paths.values()))
+
+
+def _scan_archive(path: str, label_kind: str) -> Catalog:
+    top, members = _read_archive(path, None)
+    lay = next((lay for lay in LAYOUTS.values() if lay.top == top), None)
+    if lay is None:
+        raise DataError(f"{path}: the archive holds {top}/, not cifar-10-batches-py/, "
+                        "cifar-10-batches-bin/ or cifar-100-python/")
+    names = {name.split("/", 1)[1] for name in members}
+    _check_names(path, lay, names)
+    raw = {name.split("/", 1)[1]: data for name, data in members.items()}
+    files = {name: BatchFile(lay.key, path, f"{top}/{name}", label_kind) for name in raw}
+    return _catalog(lay, raw.pop, files, (_stamp(path),), label_kind)
+
+
+def _catalog(lay: Layout, read, files: dict, stamp: tuple, label_kind: str) -> Catalog:
+    """Parse and count every batch; ``read(name) -> bytes`` gives one file at a time."""
+    names = parse_meta(lay.key, read(lay.meta), files[lay.meta].where, label_kind)
+    counted = {}
+    for name in (*lay.train, *lay.test):
+        _, labels = parse_batch(lay.key, read(name), files[name].where, label_kind)
+        counted[name] = (dataclasses.replace(files[name], n=len(labels)),
+                         np.bincount(labels, minlength=len(names)))
+    counts = sum(counted[name][1] for name in lay.train)
+    return Catalog(lay.key, tuple(counted[name][0] for name in lay.train),
+                   tuple(counted[name][0] for name in lay.test), names,
+                   tuple(int(c) for c in counts), stamp)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading bytes
+
+
+def one_line(exc: BaseException) -> str:
+    """One line from an exception."""
+    text = " ".join(str(getattr(exc, "strerror", None) or exc).split())
+    return text[:200] or type(exc).__name__
+
+
+def _stamp(path: str) -> tuple:
+    st = os.stat(path)
+    return path, st.st_size, st.st_mtime_ns
+
+
+def _read_file(path: str) -> bytes:
+    """All bytes of a file, with one-line errors for the ways that fails."""
+    if os.path.isdir(path):
+        raise DataError(f"{path}: is a directory, expected a file")
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except PermissionError:
+        raise DataError(f"{path}: cannot read the file (permission denied)") from None
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read the file ({one_line(exc)})") from None
+
+
+def _read_archive(path: str, wanted: set[str] | None) -> tuple[str, dict[str, bytes]]:
+    """(top directory, {member name: bytes}) of a tarball, in one sequential pass, never extracted.
+
+    ``wanted=None`` reads every member under the top directory; members elsewhere, nested
+    directories and links where files belong are errors.
+    """
+    if os.path.isdir(path):
+        raise DataError(f"{path}: is a directory, expected a file")
+    try:
+        f = open(path, "rb")
+    except PermissionError:
+        raise DataError(f"{path}: cannot read the file (permission denied)") from None
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read the file ({one_line(exc)})") from None
+    top, out = None, {}
+    try:
+        with f, tarfile.open(fileobj=f, mode="r:*") as tar:
+            for member in tar:
+                name = member.name.removeprefix("./").rstrip("/")
+                head, _, rest = name.partition("/")
+                top = head if top is None else top
+                if head != top or "/" in rest:
+                    raise DataError(f"{path}: unexpected member {member.name} (an official archive "
+                                    f"holds only the files of {top}/)")
+                if not rest or (wanted is not None and name not in wanted):
+                    continue
+                if not member.isfile():
+                    raise DataError(f"{path}:{name}: is not a regular file")
+                out[name] = tar.extractfile(member).read()
+                if wanted is not None and wanted <= out.keys():
+                    break  # a load- task needs one member: stop decompressing
+    except DataError:
+        raise
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
+        raise DataError(f"{path}: corrupt, truncated or not a tar archive "
+                        f"({one_line(exc)})") from None
+    if top is None:
+        raise DataError(f"{path}: the archive is empty")
+    return top, out
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing and validating
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Resolves only the globals the official batches need; anything else is refused, unrun."""
+
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"): _reconstruct,  # files written by NumPy 1 / Py 2
+        ("numpy._core.multiarray", "_reconstruct"): _reconstruct,  # files re-pickled by NumPy 2
+        ("numpy", "ndarray"): np.ndarray,
+        ("numpy", "dtype"): np.dtype,
+    }
+
+    def __init__(self, file, where: str):
+        super().__init__(file, encoding="bytes")  # Python 2 str -> bytes, as the format intends
+        self.where = where
+
+    def find_class(self, module, name):
+        try:
+            return self.ALLOWED[(module, name)]
+        except KeyError:
+            raise DataError(f"{self.where}: refused pickle global {module}.{name} (a CIFAR batch "
+                            "needs only numpy array reconstruction; nothing was run)") from None
+
+    def persistent_load(self, pid):
+        raise DataError(f"{self.where}: refused persistent id in pickle (not a CIFAR batch)")
+
+
+def safe_unpickle(raw: bytes, where: str):
+    """Unpickle a CIFAR python file with the restricted unpickler (bytes keys stay bytes).
+
+    >>> safe_unpickle(py2_dumps({b"labels": [1, 2]}), "x")
+    {b'labels': [1, 2]}
+    >>> safe_unpickle(pickle.dumps(print, protocol=4), "x")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    pipeline.errors.DataError: x: refused pickle global builtins.print (...; nothing was run)
+    """
+    if not raw:
+        raise DataError(f"{where}: the file is empty")
+    try:
+        return _RestrictedUnpickler(io.BytesIO(raw), where).load()
+    except DataError:
+        raise
+    except Exception as exc:  # UnpicklingError, EOFError, numpy's setstate errors, ...
+        raise DataError(f"{where}: truncated or corrupt pickle ({type(exc).__name__}: "
+                        f"{one_line(exc)})") from None
+
+
+def _as_dict(obj, where: str) -> dict[str, object]:
+    """A batch dict with text keys (bytes keys in the official files, str if re-pickled)."""
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: holds a {type(obj).__name__}, expected a dict")
+    return {k.decode("latin-1") if isinstance(k, bytes) else str(k): v for k, v in obj.items()}
+
+
+def _check_images(data, where: str) -> np.ndarray:
+    """``(N, 3072) uint8`` batch data -> ``(N, 3, 32, 32) uint8`` images, or DataError."""
+    if not isinstance(data, np.ndarray):
+        raise DataError(f"{where}: data is a {type(data).__name__}, expected a uint8 array of "
+                        f"shape (N, {IMAGE_BYTES})")
+    if data.dtype != np.uint8:
+        raise DataError(f"{where}: data has dtype {data.dtype}, expected uint8")
+    if data.ndim != 2 or data.shape[1] != IMAGE_BYTES:
+        raise DataError(f"{where}: data has shape {data.shape}, expected (N, {IMAGE_BYTES})")
+    if data.shape[0] == 0:
+        raise DataError(f"{where}: holds no images (data is empty)")
+    return np.ascontiguousarray(data).reshape(-1, *IMAGE_SHAPE)
+
+
+def _check_labels(labels, n: int, n_classes: int, where: str) -> np.ndarray:
+    """A list or 1-d array of n class ids in [0, n_classes) -> ``(n,) int32``, or DataError."""
+    if not isinstance(labels, (list, tuple, np.ndarray)):
+        raise DataError(f"{where}: labels are a {type(labels).__name__}, expected a list of int")
+    arr = np.asarray(labels)
+    if arr.ndim != 1 or len(arr) != n:
+        raise DataError(f"{where}: {arr.size} labels for {n} images (label/data count mismatch)")
+    if arr.dtype.kind not in "iu":
+        raise DataError(f"{where}: labels have dtype {arr.dtype}, expected integers")
+    bad = np.flatnonzero((arr < 0) | (arr >= n_classes))
+    if bad.size:
+        raise DataError(f"{where}: label {arr[bad[0]]} at index {bad[0]} is out of range "
+                        f"[0, {n_classes})")
+    return arr.astype(np.int32)
+
+
+def parse_batch(layout: str, raw: bytes, where: str, label_kind: str = "fine"
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The bytes of one batch file -> validated images ``(n, 3, 32, 32) uint8``, labels ``(n,) int32``.
+
+    Raises DataError naming ``where`` for anything but a well-formed batch of the layout.
+    """
+    if layout == "cifar10-binary":
+        return _parse_binary(raw, where)
+    batch = _as_dict(safe_unpickle(raw, where), where)
+    key, n_classes = ("labels", 10) if layout == "cifar10-python" else \
+        (f"{label_kind}_labels", 100 if label_kind == "fine" else 20)
+    for name in ("data", key):
+        if name not in batch:
+            raise DataError(f"{where}: has no {name!r} entry (keys: "
+                            f"{', '.join(sorted(batch)) or 'none'})")
+    images = _check_images(batch["data"], where)
+    return images, _check_labels(batch[key], len(images), n_classes, where)
+
+
+def _parse_binary(raw: bytes, where: str) -> tuple[np.ndarray, np.ndarray]:
+    if not raw:
+        raise DataError(f"{where}: holds no images (the file is empty)")
+    if len(raw) % RECORD_BYTES:
+        raise DataError(f"{where}: {len(raw)} bytes is not a whole number of {RECORD_BYTES}-byte "
+                        "records (truncated, or not a CIFAR-10 binary batch)")
+    records = np.frombuffer(raw, np.uint8).reshape(-1, RECORD_BYTES)
+    labels = _check_labels(records[:, 0], len(records), 10, where)
+    return np.ascontiguousarray(records[:, 1:]).reshape(-1, *IMAGE_SHAPE), labels
+
+
+def parse_meta(layout: str, raw: bytes, where: str, label_kind: str = "fine") -> tuple[str, ...]:
+    """The bytes of the meta file -> class names (10, or 100 fine / 20 coarse for CIFAR-100)."""
+    if layout == "cifar10-binary":
+        names = [line.strip() for line in raw.decode("utf-8", "replace").splitlines()]
+        names, key, expected = [n for n in names if n], "lines", 10
+    else:
+        meta = _as_dict(safe_unpickle(raw, where), where)
+        key, expected = ("label_names", 10) if layout == "cifar10-python" else \
+            (f"{label_kind}_label_names", 100 if label_kind == "fine" else 20)
+        names = meta.get(key)
+        if not isinstance(names, (list, tuple)) or \
+                not all(isinstance(n, (bytes, str)) for n in names):
+            raise DataError(f"{where}: has no {key!r} list of names")
+        names = [n.decode("utf-8", "replace") if isinstance(n, bytes) else n for n in names]
+    if len(names) != expected:
+        raise DataError(f"{where}: {len(names)} class names in {key}, expected {expected}")
+    return tuple(names)
+
+
+# --------------------------------------------------------------------------------------------
+# Synthetic data
+
+
+def split_sizes(n: int, parts: int) -> list[int]:
+    """n items over ``parts`` chunks as equal as possible, larger first (like np.array_split).
+
+    >>> split_sizes(11, 5)
+    [3, 2, 2, 2, 2]
+    """
+    return [n // parts + (i < n % parts) for i in range(parts)]
+
+
+# Class c draws shape c % 5 in colour family c // 5: neither shape nor colour alone tells the
+# class, and colour jitter, a random background, placement, size and noise keep it from being
+# trivially separable (a small CNN gets well above chance in an epoch on 5,000 images).
+_SHAPES = ("disk", "square", "ring", "stripes", "cross")
+_FAMILIES = np.array([[200, 90, 60], [60, 110, 200]], np.float32)  # warm / cool mean RGB
+_YY, _XX = np.mgrid[0:32, 0:32].astype(np.float32)
+
+
+def synthetic_labels(seed: int, split: str, index: int, n: int) -> np.ndarray:
+    """The labels of synthetic chunk ``index`` of ``split``: ``(n,) int32``, balanced over 10 classes.
+
+    The first draw of the chunk's generator, so they equal ``synthetic_batch(...)[1]``.
+
+    >>> synthetic_labels(0, "train", 0, 20).tolist().count(3)
+    2
+    """
+    rng = rng_for(seed, "synthetic", SPLITS[split], index)
+    return rng.permutation(np.arange(n) % 10).astype(np.int32)
+
+
+def synthetic_batch(seed: int, split: str, index: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Chunk ``index`` of ``split`` of the synthetic dataset.
+
+    Returns images ``(n, 3, 32, 32) uint8`` and labels ``(n,) int32``. Pure: the same arguments
+    give the same bytes on any worker (the generator is ``rng_for(seed, "synthetic", split,
+    index)``).
+
+    >>> a, la = synthetic_batch(0, "test", 0, 8)
+    >>> b, lb = synthetic_batch(0, "test", 0, 8)
+    >>> bool((a == b).all() and (la == lb).all()), a.shape
+    (True, (8, 3, 32, 32))
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {tuple(SPLITS)}, got {split!r}")
+    rng = rng_for(seed, "synthetic", SPLITS[split], index)
+    labels = rng.permutation(np.arange(n) % 10).astype(np.int32)
+    return render(labels, rng), labels
+
+
+def render(labels: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Class ids ``(n,) int`` -> images ``(n, 3, 32, 32) uint8`` drawn with ``rng``."""
+    n = len(labels)
+    background = rng.uniform(0, 255, (n, 3)).astype(np.float32)
+    foreground = _FAMILIES[labels // 5] + rng.normal(0, 45, (n, 3)).astype(np.float32)
+    centre = rng.uniform(9, 23, (n, 2)).astype(np.float32)
+    radius = rng.uniform(5, 11, n).astype(np.float32)[:, None, None]
+    dy = _YY - centre[:, 0, None, None]
+    dx = _XX - centre[:, 1, None, None]
+    masks = _shape_masks(dy, dx, radius)  # (5, n, 32, 32) bool
+    mask = masks[labels % 5, np.arange(n)][:, None]  # (n, 1, 32, 32)
+    images = np.where(mask, foreground[:, :, None, None], background[:, :, None, None])
+    images += rng.normal(0, 24, images.shape).astype(np.float32)
+    return np.clip(images, 0, 255).round().astype(np.uint8)
+
+
+def _shape_masks(dy: np.ndarray, dx: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """Offsets ``(n, 32, 32)`` from each centre, radii ``(n, 1, 1)`` -> masks ``(5, n, 32, 32)``."""
+    dist2, cheb = dy * dy + dx * dx, np.maximum(np.abs(dy), np.abs(dx))
+    box = cheb <= r
+    return np.stack([
+        dist2 <= r * r,  # disk
+        cheb <= 0.8 * r,  # square
+        (dist2 <= r * r) & (dist2 >= (0.55 * r) ** 2),  # ring
+        box & (np.floor(dy / 2) % 2 == 0),  # horizontal stripes, 2 px bars
+        box & ((np.abs(dy) <= r / 3) | (np.abs(dx) <= r / 3)),  # cross
+    ])
+
+
+def _synthetic_batches(n_train: int, n_test: int, seed: int):
+    train = [synthetic_batch(seed, "train", i, n)
+             for i, n in enumerate(split_sizes(n_train, TRAIN_BATCHES))]
+    return train, synthetic_batch(seed, "test", 0, n_test)
+
+
+def write_synthetic(out: str, n_train: int = 5000, n_test: int = 1000, seed: int = 0,
+                    tar: bool = False, fmt: str = "python") -> str:
+    """Write a synthetic CIFAR-10 in the official format under ``out``; return the path for ``--data``.
+
+    ``fmt="python"`` writes ``out/cifar-10-batches-py/`` (five training batches, as equal as
+    possible, plus ``test_batch``, ``batches.meta`` and ``readme.html``), byte-compatible with the
+    official pickles; ``fmt="binary"`` writes ``out/cifar-10-batches-bin/``. With ``tar=True`` also
+    the official archive (``cifar-10-python.tar.gz`` / ``cifar-10-binary.tar.gz``) beside it. The
+    content equals the on-the-fly ``synthetic:n_train:n_test`` source of the same seed.
+    """
+    if n_train < TRAIN_BATCHES:
+        raise ValueError(f"n_train must be >= {TRAIN_BATCHES} (one image per batch file), "
+                         f"got {n_train}")
+    if n_test < 1:
+        raise ValueError(f"n_test must be >= 1, got {n_test}")
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    if fmt not in ("python", "binary"):
+        raise ValueError(f"fmt must be python or binary, got {fmt!r}")
+    train, test = _synthetic_batches(n_train, n_test, seed)
+    writer = write_python10 if fmt == "python" else write_binary10
+    return writer(out, train, test, CIFAR10_LABEL_NAMES, tar=tar)
+
+
+# --------------------------------------------------------------------------------------------
+# Writing the official formats
+
+
+_README = (b'<meta HTTP-EQUIV="REFRESH" content="0; '
+           b'url=http://www.cs.toronto.edu/~kriz/cifar.html">\n')
+# Member order of the official archives (tarfile lists them so).
+_TAR_ORDER = {
+    "cifar10-python": ("data_batch_4", "readme.html", "test_batch", "data_batch_3", "batches.meta",
+                       "data_batch_2", "data_batch_5", "data_batch_1"),
+    "cifar10-binary": ("data_batch_1.bin", "batches.meta.txt", "data_batch_3.bin",
+                       "data_batch_4.bin", "test_batch.bin", "readme.html", "data_batch_2.bin",
+                       "data_batch_5.bin"),
+    "cifar100-python": ("file.txt~", "train", "test", "meta"),
+}
+
+
+def _filenames(labels: np.ndarray, names, start: int) -> list[bytes]:
+    return [f"synthetic_{names[c]}_s_{start + i:06d}.png".encode() for i, c in enumerate(labels)]
+
+
+def write_python10(out: str, train, test, label_names, tar: bool = False) -> str:
+    """Write ``out/cifar-10-batches-py/`` from ``[(images, labels)] * k`` and ``(images, labels)``."""
+    files, start = {}, 0
+    for i, (images, labels) in enumerate(train):
+        files[f"data_batch_{i + 1}"] = py2_dumps(_py10_batch(
+            f"training batch {i + 1} of {len(train)}", images, labels, label_names, start))
+        start += len(labels)
+    files["test_batch"] = py2_dumps(_py10_batch("testing batch 1 of 1", *test, label_names, 0))
+    files["batches.meta"] = py2_dumps({b"num_cases_per_batch": len(train[0][1]),
+                                       b"label_names": [n.encode() for n in label_names],
+                                       b"num_vis": IMAGE_BYTES})
+    files["readme.html"] = _README
+    return _write_layout(out, LAYOUTS["cifar10-python"], files, tar)
+
+
+def _py10_batch(batch_label, images, labels, names, start) -> dict:
+    # Key order as in the official files: batch_label, labels, data, filenames.
+    return {b"batch_label": batch_label.encode(), b"labels": [int(c) for c in labels],
+            b"data": np.asarray(images).reshape(len(images), IMAGE_BYTES),
+            b"filenames": _filenames(labels, names, start)}
+
+
+def write_binary10(out: str, train, test, label_names, tar: bool = False) -> str:
+    """Write ``out/cifar-10-batches-bin/`` (records of 1 label byte + 3072 image bytes)."""
+    def records(images, labels):
+        flat = np.asarray(images, np.uint8).reshape(len(images), IMAGE_BYTES)
+        return np.concatenate([np.asarray(labels, np.uint8)[:, None], flat], axis=1).tobytes()
+    files = {f"data_batch_{i + 1}.bin": records(*batch) for i, batch in enumerate(train)}
+    files["test_batch.bin"] = records(*test)
+    files["batches.meta.txt"] = ("\n".join(label_names) + "\n\n").encode()
+    files["readme.html"] = _README
+    return _write_layout(out, LAYOUTS["cifar10-binary"], files, tar)
+
+
+def write_python100(out: str, train, test, fine_names, coarse_names, tar: bool = False) -> str:
+    """Write ``out/cifar-100-python/`` from ``(images, fine, coarse)`` for train and test."""
+    def batch(label, images, fine, coarse):  # key order as in the official files
+        return py2_dumps({b"filenames": _filenames(fine, fine_names, 0), b"batch_label": label,
+                          b"fine_labels": [int(c) for c in fine],
+                          b"coarse_labels": [int(c) for c in coarse],
+                          b"data": np.asarray(images).reshape(len(images), IMAGE_BYTES)})
+    files = {"train": batch(b"training batch 1 of 1", *train),
+             "test": batch(b"testing batch 1 of 1", *test),
+             "meta": py2_dumps({b"fine_label_names": [n.encode() for n in fine_names],
+                                b"coarse_label_names": [n.encode() for n in coarse_names]}),
+             "file.txt~": b""}
+    return _write_layout(out, LAYOUTS["cifar100-python"], files, tar)
+
+
+def _write_layout(out: str, lay: Layout, files: dict[str, bytes], tar: bool) -> str:
+    directory = os.path.join(out, lay.top)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        for name, data in files.items():
+            with open(os.path.join(directory, name), "wb") as f:
+                f.write(data)
+        if tar:
+            write_tar(os.path.join(out, lay.archive), lay.top,
+                      [(name, files[name]) for name in _TAR_ORDER[lay.key]])
+    except OSError as exc:
+        raise DataError(f"{out}: cannot write the dataset ({one_line(exc)})") from None
+    return directory
+
+
+def write_tar(path: str, top: str, members: list[tuple[str, bytes]]) -> None:
+    """A reproducible ``.tar.gz`` of ``top/`` and its ``(name, bytes)`` members, in that order."""
+    def info(name, size, is_dir=False):
+        ti = tarfile.TarInfo(name)
+        ti.size, ti.mtime, ti.mode = size, 0, 0o755 if is_dir else 0o644
+        ti.type = tarfile.DIRTYPE if is_dir else tarfile.REGTYPE
+        return ti
+    with open(path, "wb") as f, gzip.GzipFile(fileobj=f, mode="wb", mtime=0, filename="",
+                                        compresslevel=6) as gz, \
+            tarfile.open(fileobj=gz, mode="w", format=tarfile.GNU_FORMAT) as tf:
+        tf.addfile(info(top, 0, is_dir=True))
+        for name, data in members:
+            tf.addfile(info(f"{top}/{name}", len(data)), io.BytesIO(data))
+
+
+# --------------------------------------------------------------------------------------------
+# Python 2 pickles, as the official files were written
+
+
+class _Global:
+    """A module attribute written by name (``GLOBAL`` opcode)."""
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
+
+
+def py2_dumps(obj) -> bytes:
+    """Pickle ``obj`` as Python 2's cPickle (protocol 2) wrote the official CIFAR files.
+
+    Handles dict, list, tuple, int, bytes, str (written as a Python 2 str), bool, None and
+    NumPy arrays of simple dtypes (reduced through ``numpy.core.multiarray._reconstruct``, the
+    global the official files name). Readable by ``pickle.load(f, encoding="bytes")``.
+
+    >>> pickle.loads(py2_dumps({b"labels": [3, 300, 70000]}), encoding="bytes")
+    {b'labels': [3, 300, 70000]}
+    """
+    writer = _Py2Writer()
+    writer.save(obj)
+    return b"\x80\x02" + b"".join(writer.out) + b"."
+
+
+class _Py2Writer:
+    """Emits protocol-2 opcodes the way cPickle did: Python 2 str as BINSTRING, memo ids from 1."""
+
+    def __init__(self):
+        self.out: list[bytes] = []
+        self.memo = 0
+
+    def put(self):
+        self.memo += 1
+        self.out.append(b"q" + bytes([self.memo]) if self.memo < 256
+                        else b"r" + struct.pack("<I", self.memo))
+
+    def save(self, obj, memo: bool = True):
+        if obj is None:
+            self.out.append(b"N")
+        elif isinstance(obj, (bool, np.bool_)):
+            self.out.append(b"\x88" if obj else b"\x89")
+        elif isinstance(obj, (int, np.integer)):
+            self._int(int(obj))
+        elif isinstance(obj, (bytes, str)):
+            self._string(obj.encode("ascii") if isinstance(obj, str) else obj, memo)
+        elif isinstance(obj, _Global):
+            self.out.append(f"c{obj.module}\n{obj.name}\n".encode())
+            self.put()
+        elif isinstance(obj, np.ndarray):
+            self._array(obj)
+        elif isinstance(obj, np.dtype):
+            self._reduce(_Global("numpy", "dtype"), (obj.str[1:], 0, 1),
+                         (3, obj.str[0], None, None, None, -1, -1, 0))
+        elif isinstance(obj, tuple):
+            self._tuple(obj)
+        elif isinstance(obj, list):
+            self._items(b"]", obj, b"a", b"e")
+        elif isinstance(obj, dict):
+            self._items(b"}", list(obj.items()), b"s", b"u")
+        else:
+            raise TypeError(f"py2_dumps cannot write {type(obj).__name__}")
+
+    def _int(self, v: int):
+        if 0 <= v < 256:
+            self.out.append(b"K" + bytes([v]))
+        elif 0 <= v < 65536:
+            self.out.append(b"M" + struct.pack("<H", v))
+        elif -2 ** 31 <= v < 2 ** 31:
+            self.out.append(b"J" + struct.pack("<i", v))
+        else:
+            data = v.to_bytes((v.bit_length() + 8) // 8, "little", signed=True)
+            self.out.append(b"\x8a" + bytes([len(data)]) + data)
+
+    def _string(self, data: bytes, memo: bool):
+        self.out.append((b"U" + bytes([len(data)]) if len(data) < 256
+                         else b"T" + struct.pack("<i", len(data))) + data)
+        if memo:
+            self.put()
+
+    def _tuple(self, items: tuple):
+        if not items:
+            self.out.append(b")")
+            return
+        if len(items) > 3:
+            self.out.append(b"(")
+        for item in items:
+            self.save(item, memo=False)  # members of temporaries: cPickle skipped refcount-1 objects
+        self.out.append({1: b"\x85", 2: b"\x86", 3: b"\x87"}.get(len(items), b"t"))
+
+    def _items(self, empty: bytes, items: list, one: bytes, many: bytes):
+        self.out.append(empty)
+        self.put()
+        for start in range(0, len(items), 1000):  # cPickle batched APPENDS/SETITEMS by 1000
+            batch = items[start:start + 1000]
+            if len(batch) > 1:
+                self.out.append(b"(")
+            for item in batch:
+                for part in (item if empty == b"}" else (item,)):
+                    self.save(part)
+            self.out.append(one if len(batch) == 1 else many)
+
+    def _reduce(self, func: _Global, args: tuple, state):
+        self.save(func)
+        self.save(args, memo=False)
+        self.out.append(b"R")
+        self.put()
+        self.save(state, memo=False)
+        self.out.append(b"b")
+
+    def _array(self, arr: np.ndarray):
+        if arr.dtype.kind not in "biuf" or arr.dtype.fields:
+            raise TypeError(f"py2_dumps cannot write arrays of dtype {arr.dtype}")
+        arr = np.ascontiguousarray(arr)
+        self._reduce(_Global("numpy.core.multiarray", "_reconstruct"),
+                     (_Global("numpy", "ndarray"), (0,), b"b"),
+                     (1, tuple(arr.shape), arr.dtype, False, arr.tobytes()))
