@@ -1,0 +1,41 @@
+"""Config sections: validation names the field; the config round-trips through JSON and pickle."""
+import json
+import pickle
+
+import pytest
+
+from pipeline.config import Config
+
+BAD = [
+    ({"train.replicas": 0}, "train.replicas"),
+    ({"average.mix_every": "0"}, "average.mix_every"),
+    ({"average.mix_every": "often"}, "average.mix_every"),
+    ({"train.strategy": "async"}, "train.strategy"),
+    ({"train.lr": -1.0}, "train.lr"),
+    ({"train.optimizer": "rmsprop"}, "train.optimizer"),
+    ({"train.device": "tpu"}, "train.device"),
+    ({"train.epochs": 0}, "train.epochs"),
+    ({"average.fan_in": 1}, "average.fan_in"),
+    ({"average.outer_momentum": 1.0}, "average.outer_momentum"),
+    ({"average.optimizer_state": "merge"}, "average.optimizer_state"),
+    ({"cluster.tls_cert": "c.pem"}, "cluster.tls"),
+    ({"train.strategy": "single", "train.replicas": 2}, "train.replicas"),
+]
+
+
+@pytest.mark.parametrize("changes, field", BAD)
+def test_validation_names_the_field(changes, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        Config().replace(**changes).validate()
+
+
+def test_round_trips():
+    cfg = Config().replace(**{"train.replicas": 3, "average.mix_every": "1ep", "seed": 7})
+    assert Config.from_dict(json.loads(cfg.to_json())) == cfg
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+
+
+def test_mix_every_in_steps_or_epochs():
+    cfg = Config()
+    assert cfg.replace(**{"average.mix_every": "10"}).average.period(19) == 10
+    assert cfg.replace(**{"average.mix_every": "2ep"}).average.period(19) == 38

@@ -1,0 +1,60 @@
+"""The plan of a run: rounds, shard positions, learning rates."""
+import numpy as np
+import pytest
+
+from pipeline.errors import UsageError
+from pipeline.schedule import (epoch_permutation, learning_rate, plan_rounds, round_period,
+                               shard_positions, steps_per_epoch)
+
+
+@pytest.mark.parametrize("strategy", ["single", "gradient", "mixture", "ipm"])
+def test_rounds_cover_every_step_once(strategy):
+    rounds = plan_rounds(1000, 2, 16, 2.5, 7, strategy)
+    per_epoch = steps_per_epoch(1000, 2, 16)
+    steps = [r.global_step + i for r in rounds for i in range(r.steps)]
+    assert steps == list(range(round(2.5 * per_epoch)))
+    assert all(r.step + r.steps <= per_epoch for r in rounds)  # never straddles an epoch
+    assert rounds[-1].epoch_end and rounds[-1].mix == (strategy != "single")
+
+
+def test_gradient_rounds_are_single_steps():
+    period = round_period("gradient", 7)
+    assert {r.steps for r in plan_rounds(1000, 2, 16, 1, period, "gradient")} == {1}
+
+
+def test_mixture_mixes_only_at_the_end():
+    assert [r.mix for r in plan_rounds(1000, 2, 16, 2, 5, "mixture")].count(True) == 1
+
+
+def test_shards_of_replicas_tile_the_global_batch():
+    rnd = plan_rounds(1000, 4, 8, 1, 3, "ipm")[1]
+    shards = [shard_positions(rnd, k, 4, 8) for k in range(4)]
+    merged = np.sort(np.concatenate(shards))
+    start = rnd.step * 4 * 8
+    assert np.array_equal(merged, np.arange(start, start + rnd.steps * 4 * 8))
+
+
+def test_gradient_batches_equal_single_with_k_times_b():
+    rnd_g = plan_rounds(1000, 4, 8, 1, 1, "gradient")[5]
+    rnd_s = plan_rounds(1000, 1, 32, 1, 1, "single")[5]
+    joined = np.concatenate([shard_positions(rnd_g, k, 4, 8) for k in range(4)])
+    assert np.array_equal(joined, shard_positions(rnd_s, 0, 1, 32))
+
+
+def test_permutation_is_keyed_by_epoch():
+    a, b = epoch_permutation(0, 1, 100), epoch_permutation(0, 1, 100)
+    assert np.array_equal(a, b) and not np.array_equal(a, epoch_permutation(0, 2, 100))
+    assert np.array_equal(np.sort(a), np.arange(100))
+
+
+def test_batch_larger_than_shard_is_a_usage_error():
+    with pytest.raises(UsageError, match="batch_size"):
+        steps_per_epoch(100, 4, 32)
+
+
+def test_warmup_reaches_scaled_rate():
+    lrs = [learning_rate(0.1, 4, "linear", 10, s) for s in range(12)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[10] == pytest.approx(0.4)
+    assert all(a <= b for a, b in zip(lrs, lrs[1:]))
+    assert learning_rate(0.1, 4, "none", 0, 3) == 0.1
+    assert 0 < learning_rate(0.1, 1, "none", 4, 0) < 0.1
