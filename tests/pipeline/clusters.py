@@ -290,12 +290,17 @@ def subprocess_cluster(n_workers: int = 2,
 
 
 def browser_skip_reason() -> str | None:
-    """Why a browser test cannot run here, or None. Under CI a missing Chromium is a failure."""
-    if os.path.exists(CHROMIUM):
-        return None
+    """Why a browser test cannot run here, or None. Under CI=true nothing is skipped: a missing
+    Chromium or Playwright must fail the test (.ci/run installs both)."""
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        return None  # let the test fail loudly: .ci/run installs chromium
-    return f"{CHROMIUM} is absent (apt-get install chromium); CI is not set"
+        return None
+    if not os.path.exists(CHROMIUM):
+        return f"{CHROMIUM} is absent (apt-get install chromium) and CI is not set"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "playwright is not installed (pip install -e '.[test]') and CI is not set"
+    return None
 
 
 @contextlib.contextmanager
@@ -312,52 +317,90 @@ def chromium_page(width: int = 1400, height: int = 1000) -> Iterator[object]:
             browser.close()
 
 
-# The task stream's ColumnDataSource (distributed.dashboard.components.scheduler.TaskStream) has
-# columns start, duration, key, name, color, worker, worker_thread...; `name` is key_split(key),
-# i.e. the stage prefix without the run token. BokehJS 3 keeps `data` as a plain object.
-_TASK_STREAM_NAMES_JS = """() => {
+# The dashboard's Bokeh data sources, read in the page (BokehJS 3 keeps `data` as a plain object):
+# - task stream (distributed.dashboard.components.scheduler.TaskStream): columns start, duration,
+#   key, name, worker_thread...; `name` is key_split(key), the stage prefix without the run token,
+#   and "transfer-<stage>" for the data transfers feeding it;
+# - progress bars (TaskProgress, on /status): columns name, show-name, all, memory, done...
+_SOURCE_NAMES_JS = """(kind) => {
   const names = new Set();
   for (const doc of (window.Bokeh && Bokeh.documents) || []) {
     for (const model of doc.all_models) {
       const data = model.data;
-      if (!data || data instanceof Map || !("worker_thread" in data) || !("name" in data)) continue;
-      for (const name of data.name) names.add(String(name));
+      if (!data || data instanceof Map || !("name" in data)) continue;
+      const isKind = kind === "task-stream" ? "worker_thread" in data : "show-name" in data;
+      if (isKind) for (const name of data.name) names.add(String(name));
     }
   }
   return [...names];
 }"""
+_BOKEH_READY_JS = "() => window.Bokeh && Bokeh.documents && Bokeh.documents.length > 0"
 
 
-def task_stream_names(page) -> set[str]:
-    """Stage names currently in the task stream(s) of the Bokeh page `page` shows."""
-    return set(page.evaluate(_TASK_STREAM_NAMES_JS))
+def record_task_stream(client) -> None:
+    """Make the scheduler record its task stream from now on.
 
-
-def dashboard_stage_names(url: str, expected: set[str] | frozenset[str] = frozenset(),
-                          timeout: float = 30.0, screenshot: str | os.PathLike | None = None,
-                          page=None) -> set[str]:
-    """Open dashboard page `url` headless and return the stage names in its task stream.
-
-    Polls the page's task-stream data source (it refreshes every ~100 ms) until it holds every
-    name in `expected` (or any name when empty) or `timeout` s pass, then returns what it holds.
-    Works on /status and /individual-task-stream. `screenshot`: also save a full-page PNG there
-    (parent directories created). `page`: reuse an open Playwright page instead of a new browser.
+    The scheduler only starts recording when a task-stream page is first opened (or someone asks
+    for the stream); tasks that finished before are never shown. Call this before submitting
+    work that a later `dashboard_stage_names` should see, or open the dashboard first.
     """
-    if page is None:
-        with chromium_page() as new_page:
-            return dashboard_stage_names(url, expected, timeout, screenshot, new_page)
-    deadline = time.monotonic() + timeout
-    page.goto(url, timeout=timeout * 1000)
-    page.wait_for_function("() => window.Bokeh && Bokeh.documents && Bokeh.documents.length > 0",
-                           timeout=timeout * 1000)
-    names: set[str] = set()
-    while time.monotonic() < deadline:
-        names = task_stream_names(page)
-        if names and set(expected) <= names:
-            break
-        page.wait_for_timeout(200)
-    if screenshot is not None:
-        Path(screenshot).parent.mkdir(parents=True, exist_ok=True)
-        page.wait_for_timeout(500)  # let the last patch paint
-        page.screenshot(path=str(screenshot), full_page=True)
+    client.get_task_stream(count=1)
+
+
+class Dashboard:
+    """An open dashboard page in headless Chromium (see `open_dashboard`)."""
+
+    def __init__(self, page, url: str):
+        self.page, self.url = page, url
+
+    def task_stream_names(self) -> set[str]:
+        """Stage names now in the task stream, without the "transfer-<stage>" entries."""
+        names = self.page.evaluate(_SOURCE_NAMES_JS, "task-stream")
+        return {n for n in names if not n.startswith("transfer-")}
+
+    def progress_names(self) -> set[str]:
+        """Stage names on the progress bars (/status only; a finished, released job has none)."""
+        return set(self.page.evaluate(_SOURCE_NAMES_JS, "progress"))
+
+    def wait_for_stages(self, expected=frozenset(), timeout: float = 30.0) -> set[str]:
+        """Poll the task stream until it holds all of `expected` (any name when empty) or
+        `timeout` s pass; return what it holds then (the caller asserts)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            names = self.task_stream_names()
+            if (names and set(expected) <= names) or time.monotonic() >= deadline:
+                return names
+            self.page.wait_for_timeout(200)  # the page patches its sources every ~100 ms
+
+    def screenshot(self, path: str | os.PathLike) -> Path:
+        """Save a full-page PNG at `path` (parent directories created) and return the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.page.wait_for_timeout(300)  # let the last patch paint
+        self.page.screenshot(path=str(path), full_page=True)
+        return path
+
+
+@contextlib.contextmanager
+def open_dashboard(url: str, timeout: float = 30.0) -> Iterator[Dashboard]:
+    """Open dashboard page `url` (/status, /individual-task-stream...) headless; wait for Bokeh.
+
+    Opening a task-stream page also starts the scheduler's task-stream recording, so open it
+    before submitting the job to watch (or call `record_task_stream(client)`).
+    """
+    with chromium_page() as page:
+        page.goto(url, timeout=timeout * 1000)
+        page.wait_for_function(_BOKEH_READY_JS, timeout=timeout * 1000)
+        yield Dashboard(page, url)
+
+
+def dashboard_stage_names(url: str, expected=frozenset(), timeout: float = 30.0,
+                          screenshot: str | os.PathLike | None = None) -> set[str]:
+    """One shot: open `url` headless, wait for `expected` stages in the task stream, return the
+    names there; optionally save a screenshot. The job must already be recorded (see
+    `record_task_stream`)."""
+    with open_dashboard(url, timeout) as dash:
+        names = dash.wait_for_stages(expected, timeout)
+        if screenshot is not None:
+            dash.screenshot(screenshot)
     return names
