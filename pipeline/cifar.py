@@ -290,6 +290,8 @@ def _read_archive(path: str, wanted: set[str] | None) -> tuple[str, dict[str, by
                 out[name] = tar.extractfile(member).read()
                 if wanted is not None and wanted <= out.keys():
                     break  # a load- task needs one member: stop decompressing
+            if wanted is None:
+                _check_archive_end(tar, path)
     except DataError:
         raise
     except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
@@ -298,6 +300,17 @@ def _read_archive(path: str, wanted: set[str] | None) -> tuple[str, dict[str, by
     if top is None:
         raise DataError(f"{path}: the archive is empty")
     return top, out
+
+
+def _check_archive_end(tar: tarfile.TarFile, path: str) -> None:
+    """Corruption tarfile lets pass: it ends the member list silently at a garbled header, and
+    gzip verifies its CRC only at the end of the stream."""
+    tar.fileobj.seek(tar.offset)  # where iteration stopped: must be the zero end-of-archive block
+    if tar.fileobj.read(tarfile.BLOCKSIZE).strip(b"\0"):
+        raise DataError(f"{path}: corrupt, truncated or not a tar archive (invalid tar header at "
+                        f"byte {tar.offset})")
+    while tar.fileobj.read(1 << 20):  # decompress to the end so gzip/bz2/xz check integrity
+        pass
 
 
 # --------------------------------------------------------------------------------------------
@@ -564,7 +577,8 @@ _TAR_ORDER = {
 
 
 def _filenames(labels: np.ndarray, names, start: int) -> list[bytes]:
-    return [f"synthetic_{names[c]}_s_{start + i:06d}.png".encode() for i, c in enumerate(labels)]
+    return [f"synthetic_{names[c] if 0 <= c < len(names) else c}_s_{start + i:06d}.png".encode()
+            for i, c in enumerate(labels)]
 
 
 def write_python10(out: str, train, test, label_names, tar: bool = False) -> str:

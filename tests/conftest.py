@@ -1,0 +1,51 @@
+"""Shared test fixtures: a tiny synthetic CIFAR-10 in the official python format, as a directory and a tarball."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pipeline.cifar import write_synthetic
+
+TINY_TRAIN, TINY_TEST, TINY_SEED = 500, 100, 0  # 100 images per batch file; ~2 MB on disk
+
+
+@pytest.fixture(scope="session")
+def cifar_root(tmp_path_factory) -> Path:
+    """A directory holding ``cifar-10-batches-py/`` and ``cifar-10-python.tar.gz`` (read-only use)."""
+    root = tmp_path_factory.mktemp("cifar")
+    write_synthetic(str(root), n_train=TINY_TRAIN, n_test=TINY_TEST, seed=TINY_SEED, tar=True)
+    return root
+
+
+@pytest.fixture(scope="session")
+def cifar_dir(cifar_root) -> str:
+    """The extracted ``cifar-10-batches-py`` directory: 500 train (5 x 100) / 100 test images."""
+    return str(cifar_root / "cifar-10-batches-py")
+
+
+@pytest.fixture(scope="session")
+def cifar_tar(cifar_root) -> str:
+    """The same data as the official ``cifar-10-python.tar.gz`` (same member layout)."""
+    return str(cifar_root / "cifar-10-python.tar.gz")
+
+
+@pytest.fixture
+def cifar_copy(cifar_dir, tmp_path) -> Path:
+    """A private, writable copy of ``cifar_dir`` for tests that damage it."""
+    return Path(shutil.copytree(cifar_dir, tmp_path / "cifar-10-batches-py"))
+
+
+@pytest.fixture(scope="session")
+def dask_client():
+    """An in-process distributed cluster (2 workers x 1 thread, no subprocesses, dashboard on a free port).
+
+    Not the default scheduler: tests call ``dask_client.compute``/``submit`` explicitly, so other
+    tests keep dask's local scheduler.
+    """
+    import distributed
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                                  dashboard_address="127.0.0.1:0") as cluster, \
+            distributed.Client(cluster, set_as_default=False) as client:
+        yield client
