@@ -4,8 +4,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import subprocess
 import time
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 
 import distributed
 from dask.system import CPU_COUNT
@@ -18,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 _POLL_S = 0.1  # how often require_* ask the scheduler again; a scheduler_info round trip is ~1 ms
 _TLS_FIELDS = (("tls_ca_file", "--tls-ca-file"), ("tls_cert", "--tls-cert"), ("tls_key", "--tls-key"))
+_EMBEDDED: weakref.WeakSet = weakref.WeakSet()  # clusters connect() started: they never gain workers
 
 
 def security_from(cfg: ClusterConfig) -> Security | None:
@@ -55,25 +58,47 @@ def scheduler_address(cfg: ClusterConfig) -> str | None:
     return cfg.scheduler or os.environ.get("DASK_SCHEDULER_ADDRESS") or None
 
 
-def default_workers(threads_per_worker: int) -> int:
-    """LocalCluster worker processes that fill the machine's cores (affinity and cgroup aware).
+def default_workers(threads_per_worker: int, gpu_workers: int = 0) -> int:
+    """Embedded CPU worker processes that fill the cores (affinity and cgroup aware) left over
+    after one core per GPU worker.
 
     >>> default_workers(10**6)
     1
     """
-    return max(1, CPU_COUNT // threads_per_worker)
+    return max(1, (CPU_COUNT - gpu_workers) // threads_per_worker)
+
+
+def local_gpus() -> list[str]:
+    """CUDA device ids an embedded cluster can give one GPU worker each; [] without GPUs.
+
+    The entries of $CUDA_VISIBLE_DEVICES when it is set, else the indices `nvidia-smi -L` lists.
+    Runs no CUDA code: a CUDA context in the driver would hold GPU memory for the whole run.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d.strip() for d in visible.split(",") if d.strip() and d.strip() != "-1"]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):  # no driver, or a hung one
+        return []
+    lines = out.stdout.splitlines() if out.returncode == 0 else []
+    return [str(i) for i, _ in enumerate(line for line in lines if line.startswith("GPU "))]
 
 
 @contextlib.contextmanager
-def connect(cfg: ClusterConfig, log: Callable[[str], None] | None = None,
-            min_workers: int = 1) -> Iterator[distributed.Client]:
-    """A Client for the run: an external scheduler when one is given, else an embedded LocalCluster.
+def connect(cfg: ClusterConfig, log: Callable[[str], None] | None = None, *,
+            min_workers: int = 1, gpus: Sequence[str] = ()) -> Iterator[distributed.Client]:
+    """A Client for the run: an external scheduler when one is given, else an embedded cluster.
 
-    External: waits at most `cfg.connect_timeout` s for the scheduler and then for `min_workers`
-    workers, raising ClusterError otherwise. Embedded: `cfg.workers` processes (default: one per
-    `cfg.threads_per_worker` cores) on 127.0.0.1, each advertising `CPU=threads_per_worker`, the
-    dashboard on `cfg.dashboard_address`. `log` (default: this module's logger) gets one line with
-    the scheduler and dashboard link. Everything this opens is closed on exit, also on errors.
+    External (`cfg.scheduler` or $DASK_SCHEDULER_ADDRESS): waits at most `cfg.connect_timeout` s
+    for the scheduler and then for `min_workers` workers, raising ClusterError otherwise.
+    Embedded: `cfg.workers` processes (default: `default_workers`) on 127.0.0.1, each with
+    `cfg.threads_per_worker` threads advertising `CPU=threads_per_worker`, plus one single-thread
+    worker per device id in `gpus` (e.g. `local_gpus()`) advertising `GPU=1` and seeing only its
+    device (CUDA_VISIBLE_DEVICES); dashboard on `cfg.dashboard_address`. `gpus` is ignored with an
+    external scheduler: its workers advertise their own resources. `log` (default: this module's
+    logger) gets one line with the scheduler, workers, resources and dashboard link. Everything
+    this opens is closed on exit, also on errors.
     """
     log = log or logger.info
     address = scheduler_address(cfg)
@@ -82,8 +107,8 @@ def connect(cfg: ClusterConfig, log: Callable[[str], None] | None = None,
         if security is not None:
             raise ClusterError("--tls-ca-file/--tls-cert/--tls-key need --scheduler tls://HOST:PORT; "
                                "the embedded LocalCluster listens on 127.0.0.1 without TLS")
-        with _local_cluster(cfg) as client:
-            log(_summary_line("started LocalCluster", client))
+        with _embedded_cluster(cfg, list(gpus)) as client:
+            log(_summary_line("started local cluster", client))
             yield client
         return
     with _external_client(address, security, cfg.connect_timeout) as client:
@@ -93,12 +118,26 @@ def connect(cfg: ClusterConfig, log: Callable[[str], None] | None = None,
 
 
 @contextlib.contextmanager
-def _local_cluster(cfg: ClusterConfig) -> Iterator[distributed.Client]:
-    workers = cfg.workers or default_workers(cfg.threads_per_worker)
-    cluster = distributed.LocalCluster(
-        n_workers=workers, threads_per_worker=cfg.threads_per_worker, processes=True,
-        host="127.0.0.1", dashboard_address=cfg.dashboard_address,
-        resources={"CPU": cfg.threads_per_worker})
+def _embedded_cluster(cfg: ClusterConfig, gpus: list[str]) -> Iterator[distributed.Client]:
+    threads = cfg.threads_per_worker
+    n_cpu = cfg.workers or default_workers(threads, len(gpus))
+    if not gpus:
+        cluster = distributed.LocalCluster(
+            n_workers=n_cpu, threads_per_worker=threads, processes=True, host="127.0.0.1",
+            dashboard_address=cfg.dashboard_address, resources={"CPU": threads})
+    else:  # unlike workers: LocalCluster gives all the same options, SpecCluster one spec each
+        common = {"host": "127.0.0.1", "silence_logs": logging.WARN, "dashboard": False}
+        specs = {f"cpu-{i}": {"cls": distributed.Nanny, "options": {
+            **common, "nthreads": threads, "resources": {"CPU": threads}}} for i in range(n_cpu)}
+        specs.update({f"gpu-{d}": {"cls": distributed.Nanny, "options": {
+            **common, "nthreads": 1, "resources": {"GPU": 1},
+            "env": {"CUDA_VISIBLE_DEVICES": d}}} for d in gpus})
+        scheduler = {"cls": distributed.Scheduler, "options": {
+            "host": "127.0.0.1", "port": 0, "dashboard": True,
+            "dashboard_address": cfg.dashboard_address}}
+        cluster = distributed.SpecCluster(workers=specs, scheduler=scheduler,
+                                          silence_logs=logging.WARN)
+    _EMBEDDED.add(cluster)
     # Client before cluster on the way out: the reverse order logs CommClosedError tracebacks.
     with cluster, distributed.Client(cluster) as client:
         yield client
@@ -156,10 +195,12 @@ def has_resource(client: distributed.Client, name: str) -> bool:
 def require_resource(client: distributed.Client, name: str, timeout: float) -> None:
     """Return once a worker advertises resource `name`; ClusterError after `timeout` s otherwise.
 
-    A cluster this process started itself (`client.cluster` set) will not gain workers, so it is
-    checked once without waiting. The error lists what the workers do advertise.
+    A cluster that `connect` embedded will not gain workers, so it is checked once without
+    waiting. The error lists what the workers do advertise.
     """
-    deadline = time.monotonic() + (0 if client.cluster is not None else timeout)
+    if client.cluster is not None and client.cluster in _EMBEDDED:
+        timeout = 0
+    deadline = time.monotonic() + timeout
     while True:
         resources = worker_resources(client)
         if any(res.get(name, 0) > 0 for res in resources.values()):

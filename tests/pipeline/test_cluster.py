@@ -135,6 +135,44 @@ def test_default_workers_fill_the_cores():
     from dask.system import CPU_COUNT
     assert cluster.default_workers(1) == CPU_COUNT
     assert cluster.default_workers(CPU_COUNT + 1) == 1
+    assert cluster.default_workers(1, gpu_workers=1) == max(1, CPU_COUNT - 1)
+
+
+@pytest.mark.parametrize("visible, expected", [("0,2", ["0", "2"]), ("", []), ("-1", []),
+                                               ("GPU-1a2b, 1", ["GPU-1a2b", "1"])])
+def test_local_gpus_follow_cuda_visible_devices(monkeypatch, visible, expected):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert cluster.local_gpus() == expected
+
+
+def test_local_gpus_from_nvidia_smi(monkeypatch, tmp_path):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert cluster.local_gpus() == []  # no nvidia-smi at all
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 (UUID: GPU-a)'\n"
+                    "echo 'GPU 1: NVIDIA H100 (UUID: GPU-b)'\necho '  MIG 1g.10gb Device 0'\n")
+    fake.chmod(0o755)
+    assert cluster.local_gpus() == ["0", "1"]
+
+
+def _visible_devices():
+    import os
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_embedded_gpu_workers_advertise_gpu_and_see_one_device():
+    # No GPU is touched: the worker only advertises GPU=1 and gets CUDA_VISIBLE_DEVICES=3.
+    with cluster.connect(ClusterConfig(workers=1), log=lambda line: None, gpus=["3"]) as client:
+        info = cluster.describe(client)
+        seen = client.submit(_visible_devices, resources={"GPU": 1}, pure=False).result(timeout=10)
+        cpu_seen = client.submit(_visible_devices, resources={"CPU": 1}, pure=False).result(timeout=10)
+        cluster.require_resource(client, "GPU", timeout=0)
+        with pytest.raises(ClusterError, match=r"'TPU' \(waited 0 s\)"):
+            cluster.require_resource(client, "TPU", timeout=30)
+    assert (info["workers"], info["threads"], info["resources"]) == (2, 2, {"CPU": 1, "GPU": 1})
+    assert info["dashboard"].startswith("http://127.0.0.1:")
+    assert seen == "3" and cpu_seen != "3"
 
 
 # --- external scheduler: real `dask scheduler` + `dask worker` processes ----------------------
