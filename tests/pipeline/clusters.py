@@ -335,6 +335,18 @@ _SOURCE_NAMES_JS = """(kind) => {
   return [...names];
 }"""
 _BOKEH_READY_JS = "() => window.Bokeh && Bokeh.documents && Bokeh.documents.length > 0"
+# The options of a selector whose title starts with `prefix`: on /individual-fine-performance-metrics
+# "Filter by span tag (N):" lists the span tags (distributed.span names) the scheduler has seen.
+_SELECTOR_OPTIONS_JS = """(prefix) => {
+  const options = new Set();
+  for (const doc of (window.Bokeh && Bokeh.documents) || []) {
+    for (const model of doc.all_models) {
+      if (typeof model.title !== "string" || !model.title.startsWith(prefix)) continue;
+      for (const opt of model.options || []) options.add(String(Array.isArray(opt) ? opt[0] : opt));
+    }
+  }
+  return [...options];
+}"""
 
 
 def record_task_stream(client) -> None:
@@ -362,15 +374,30 @@ class Dashboard:
         """Stage names on the progress bars (/status only; a finished, released job has none)."""
         return set(self.page.evaluate(_SOURCE_NAMES_JS, "progress"))
 
-    def wait_for_stages(self, expected=frozenset(), timeout: float = 30.0) -> set[str]:
-        """Poll the task stream until it holds all of `expected` (any name when empty) or
-        `timeout` s pass; return what it holds then (the caller asserts)."""
+    def span_tags(self) -> set[str]:
+        """Span tags listed on /individual-fine-performance-metrics (its "Filter by span tag")."""
+        return set(self.page.evaluate(_SELECTOR_OPTIONS_JS, "Filter by span tag"))
+
+    def goto(self, path: str, timeout: float = 30.0) -> None:
+        """Open another dashboard page, e.g. "/individual-fine-performance-metrics"."""
+        base = self.url.split("://", 1)[0] + "://" + self.url.split("://", 1)[1].split("/", 1)[0]
+        self.url = base + path
+        self.page.goto(self.url, timeout=timeout * 1000)
+        self.page.wait_for_function(_BOKEH_READY_JS, timeout=timeout * 1000)
+
+    def wait_for(self, read, expected=frozenset(), timeout: float = 30.0) -> set[str]:
+        """Poll `read()` (a method above) until it holds all of `expected` (anything when empty)
+        or `timeout` s pass; return what it holds then (the caller asserts)."""
         deadline = time.monotonic() + timeout
         while True:
-            names = self.task_stream_names()
+            names = read()
             if (names and set(expected) <= names) or time.monotonic() >= deadline:
                 return names
             self.page.wait_for_timeout(200)  # the page patches its sources every ~100 ms
+
+    def wait_for_stages(self, expected=frozenset(), timeout: float = 30.0) -> set[str]:
+        """`wait_for(self.task_stream_names, ...)`: the stages in the task stream."""
+        return self.wait_for(self.task_stream_names, expected, timeout)
 
     def screenshot(self, path: str | os.PathLike) -> Path:
         """Save a full-page PNG at `path` (parent directories created) and return the path."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 
+import distributed
 import pytest
 
 from pipeline import cluster
@@ -40,57 +41,69 @@ def evaluate(x):
     return x
 
 
-def stage_graph(token: str = TOKEN, replicas: int = 4, rounds: int = 2, fan_in: int = 2):
-    """A dask graph shaped like a training run, keys named by stage; returns (graph, output keys).
+def submit_stage_job(client, token: str = TOKEN, replicas: int = 4, rounds: int = 2,
+                     fan_in: int = 2) -> list:
+    """Submit a job shaped like a training run, each stage in its `distributed.span`, keys named
+    by stage; returns the ("evaluate-T", r) futures.
 
-    ("load-T", i) -> ("augment-T", r, k) -> ("train-T", r, k) -> ("average-T", r, level, i)
-    tree -> ("evaluate-T", r); round r + 1 augments the loaded shard again and trains it from
-    the round-r average.
+    ("load-T", k) -> ("augment-T", r, k) -> ("train-T", r, k) -> ("average-T", r, level, i) tree
+    -> ("evaluate-T", r); round r + 1 augments the loaded shard again and trains it from the
+    round-r average.
     """
-    dsk = {(f"load-{token}", k): (load, k) for k in range(replicas)}
-    state = None
+    def submit(func, *args, key):
+        return client.submit(func, *args, key=key, pure=False)
+
+    with distributed.span("load"):
+        loaded = [submit(load, k, key=(f"load-{token}", k)) for k in range(replicas)]
+    state, outputs = None, []
     for r in range(rounds):
-        level = [(f"train-{token}", r, k) for k in range(replicas)]
-        for k in range(replicas):
-            dsk[(f"augment-{token}", r, k)] = (augment, (f"load-{token}", k), r, k)
-            dsk[level[k]] = (train, (f"augment-{token}", r, k), state, r, k)
-        depth = 0
-        while len(level) > 1:
-            groups = [level[i:i + fan_in] for i in range(0, len(level), fan_in)]
-            level = [(f"average-{token}", r, depth, i) for i in range(len(groups))]
-            for key, group in zip(level, groups):
-                dsk[key] = (average, *group)
-            depth += 1
+        with distributed.span("augment"):
+            shards = [submit(augment, loaded[k], r, k, key=(f"augment-{token}", r, k))
+                      for k in range(replicas)]
+        with distributed.span("train"):
+            level = [submit(train, shards[k], state, r, k, key=(f"train-{token}", r, k))
+                     for k in range(replicas)]
+        with distributed.span("average"):
+            depth = 0
+            while len(level) > 1:
+                groups = [level[i:i + fan_in] for i in range(0, len(level), fan_in)]
+                level = [submit(average, *group, key=(f"average-{token}", r, depth, i))
+                         for i, group in enumerate(groups)]
+                depth += 1
         state = level[0]
-        dsk[(f"evaluate-{token}", r)] = (evaluate, state)
-    return dsk, [(f"evaluate-{token}", r) for r in range(rounds)]
-
-
-def test_stage_graph_keys_are_named_by_stage():
-    from dask.utils import key_split
-    dsk, outputs = stage_graph()
-    assert {key_split(key) for key in dsk} == STAGES
-    assert outputs == [("evaluate-" + TOKEN, 0), ("evaluate-" + TOKEN, 1)]
-    assert ("average-" + TOKEN, 1, 1, 0) in dsk  # 4 replicas, fan-in 2: two levels
-    assert dsk[("train-" + TOKEN, 1, 3)][2] == ("average-" + TOKEN, 0, 1, 0)
+        with distributed.span("evaluate"):
+            outputs.append(submit(evaluate, state, key=(f"evaluate-{token}", r)))
+    return outputs
 
 
 @pytest.mark.browser
 @pytest.mark.skipif(browser_skip_reason() is not None, reason=str(browser_skip_reason()))
-def test_dashboard_task_stream_shows_the_stages():
-    dsk, outputs = stage_graph()
+def test_dashboard_shows_the_stages():
     shot = ARTIFACTS / "dashboard.png"
     with cluster.connect(ClusterConfig(workers=2, threads_per_worker=1)) as client:
         link = cluster.describe(client)["dashboard"]
         assert link.startswith("http://127.0.0.1:")
         # Open the page first: that starts the scheduler's task-stream recording.
         with open_dashboard(link) as dash:
-            futures = client.get(dsk, outputs, sync=False)
+            futures = submit_stage_job(client)
             names = dash.wait_for_stages(STAGES, timeout=30)
             progress = dash.progress_names()
-            dash.screenshot(shot)
+            dash.screenshot(shot)  # mid-run: progress bars and task stream, named by stage
             results = client.gather(futures)
+            dash.goto("/individual-fine-performance-metrics")
+            spans = dash.wait_for(dash.span_tags, STAGES, timeout=30)
+            dash.screenshot(ARTIFACTS / "dashboard-metrics.png")  # time by stage and activity
     assert STAGES <= names, f"task stream shows {sorted(names)}"
     assert STAGES <= progress, f"progress bars show {sorted(progress)}"
+    assert STAGES <= spans, f"span tags: {sorted(spans)}"
     assert len(results) == 2
     assert shot.stat().st_size > 10_000  # a real PNG of the page, not an empty one
+
+
+def test_browser_tests_skip_only_outside_ci(monkeypatch, tmp_path):
+    from tests.pipeline import clusters
+    monkeypatch.setattr(clusters, "CHROMIUM", str(tmp_path / "no-chromium"))
+    monkeypatch.delenv("CI", raising=False)
+    assert "no-chromium is absent" in clusters.browser_skip_reason()
+    monkeypatch.setenv("CI", "true")
+    assert clusters.browser_skip_reason() is None  # under CI a missing browser fails the test
