@@ -119,28 +119,36 @@ def connect(cfg: ClusterConfig, log: Callable[[str], None] | None = None, *,
 
 @contextlib.contextmanager
 def _embedded_cluster(cfg: ClusterConfig, gpus: list[str]) -> Iterator[distributed.Client]:
-    threads = cfg.threads_per_worker
-    n_cpu = cfg.workers or default_workers(threads, len(gpus))
-    if not gpus:
-        cluster = distributed.LocalCluster(
-            n_workers=n_cpu, threads_per_worker=threads, processes=True, host="127.0.0.1",
-            dashboard_address=cfg.dashboard_address, resources={"CPU": threads})
-    else:  # unlike workers: LocalCluster gives all the same options, SpecCluster one spec each
-        common = {"host": "127.0.0.1", "silence_logs": logging.WARN, "dashboard": False}
-        specs = {f"cpu-{i}": {"cls": distributed.Nanny, "options": {
-            **common, "nthreads": threads, "resources": {"CPU": threads}}} for i in range(n_cpu)}
-        specs.update({f"gpu-{d}": {"cls": distributed.Nanny, "options": {
-            **common, "nthreads": 1, "resources": {"GPU": 1},
-            "env": {"CUDA_VISIBLE_DEVICES": d}}} for d in gpus})
-        scheduler = {"cls": distributed.Scheduler, "options": {
-            "host": "127.0.0.1", "port": 0, "dashboard": True,
-            "dashboard_address": cfg.dashboard_address}}
-        cluster = distributed.SpecCluster(workers=specs, scheduler=scheduler,
-                                          silence_logs=logging.WARN)
+    try:
+        cluster = _start_embedded(cfg, gpus)
+    except RuntimeError as exc:  # "Nanny failed to start": the worker processes died starting
+        raise ClusterError(f"could not start the local cluster's worker processes: "
+                           f"{_one_line(exc)} (a script that starts one needs "
+                           f"`if __name__ == '__main__':` around it)") from exc
     _EMBEDDED.add(cluster)
     # Client before cluster on the way out: the reverse order logs CommClosedError tracebacks.
     with cluster, distributed.Client(cluster) as client:
         yield client
+
+
+def _start_embedded(cfg: ClusterConfig, gpus: list[str]) -> distributed.SpecCluster:
+    threads = cfg.threads_per_worker
+    n_cpu = cfg.workers or default_workers(threads, len(gpus))
+    if not gpus:
+        return distributed.LocalCluster(
+            n_workers=n_cpu, threads_per_worker=threads, processes=True, host="127.0.0.1",
+            dashboard_address=cfg.dashboard_address, resources={"CPU": threads})
+    # Unlike workers: LocalCluster gives all workers the same options, SpecCluster one spec each.
+    common = {"host": "127.0.0.1", "silence_logs": logging.WARN, "dashboard": False}
+    specs = {f"cpu-{i}": {"cls": distributed.Nanny, "options": {
+        **common, "nthreads": threads, "resources": {"CPU": threads}}} for i in range(n_cpu)}
+    specs.update({f"gpu-{d}": {"cls": distributed.Nanny, "options": {
+        **common, "nthreads": 1, "resources": {"GPU": 1},
+        "env": {"CUDA_VISIBLE_DEVICES": d}}} for d in gpus})
+    scheduler = {"cls": distributed.Scheduler, "options": {
+        "host": "127.0.0.1", "port": 0, "dashboard": True,
+        "dashboard_address": cfg.dashboard_address}}
+    return distributed.SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.WARN)
 
 
 @contextlib.contextmanager
