@@ -119,7 +119,7 @@ def test_local_cluster_sized_logged_and_closed_cleanly(capfd):
         start = time.monotonic()
         with pytest.raises(ClusterError, match=r"'GPU'.*workers advertise: tcp://127\.0\.0\.1:\d+ CPU=1"):
             cluster.require_resource(client, "GPU", timeout=30)
-        assert time.monotonic() - start < 2  # an own LocalCluster gains no workers: no waiting
+        assert time.monotonic() - start < 5  # an own LocalCluster gains no workers: no 30 s wait
         cluster.require_resource(client, "CPU", timeout=0)
     assert (info["workers"], info["threads"], info["resources"]) == (2, 2, {"CPU": 2})
     assert info["dashboard"].startswith("http://127.0.0.1:")
@@ -229,7 +229,7 @@ def test_missing_resource_fails_fast_naming_what_workers_have(cpu_gpu_cluster):
             cluster.require_resource(client, "TPU", timeout=1.0)
         elapsed = time.monotonic() - start
     message = str(info.value)
-    assert 1.0 <= elapsed < 3.0
+    assert 1.0 <= elapsed < 4.0  # the bound plus slack for a loaded CI machine
     assert "no worker advertises resource 'TPU' (waited 1 s)" in message
     assert "CPU=1" in message and "GPU=1" in message and "--resources TPU=1" in message
     assert "\n" not in message
