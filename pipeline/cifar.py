@@ -464,7 +464,30 @@ def split_sizes(n: int, parts: int) -> list[int]:
 # Class c draws shape c % 5 in colour family c // 5: neither shape nor colour alone tells the
 # class, and colour jitter, a random background, placement, size and noise keep it from being
 # trivially separable (a small CNN gets well above chance in an epoch on 5,000 images).
-_SHAPES = ("disk", "square", "ring", "stripes", "cross")
+def _disk(dy, dx, r):
+    """Offsets ``(k, 32, 32)`` from each image's centre and radii ``(k, 1, 1)`` -> mask."""
+    return dy * dy + dx * dx <= r * r
+
+
+def _square(dy, dx, r):
+    return np.maximum(np.abs(dy), np.abs(dx)) <= 0.8 * r
+
+
+def _ring(dy, dx, r):
+    dist2 = dy * dy + dx * dx
+    return (dist2 <= r * r) & (dist2 >= (0.55 * r) ** 2)
+
+
+def _stripes(dy, dx, r):  # horizontal bars 2 px wide inside the square
+    return (np.maximum(np.abs(dy), np.abs(dx)) <= r) & (np.floor(dy / 2) % 2 == 0)
+
+
+def _cross(dy, dx, r):
+    return (np.maximum(np.abs(dy), np.abs(dx)) <= r) & ((np.abs(dy) <= r / 3) |
+                                                        (np.abs(dx) <= r / 3))
+
+
+_SHAPES = (_disk, _square, _ring, _stripes, _cross)
 _FAMILIES = np.array([[200, 90, 60], [60, 110, 200]], np.float32)  # warm / cool mean RGB
 _YY, _XX = np.mgrid[0:32, 0:32].astype(np.float32)
 
@@ -504,29 +527,17 @@ def render(labels: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """Class ids ``(n,) int`` -> images ``(n, 3, 32, 32) uint8`` drawn with ``rng``."""
     n = len(labels)
     background = rng.uniform(0, 255, (n, 3)).astype(np.float32)
-    foreground = _FAMILIES[labels // 5] + rng.normal(0, 45, (n, 3)).astype(np.float32)
+    foreground = _FAMILIES[labels // 5] + 45 * rng.standard_normal((n, 3), np.float32)
     centre = rng.uniform(9, 23, (n, 2)).astype(np.float32)
-    radius = rng.uniform(5, 11, n).astype(np.float32)[:, None, None]
-    dy = _YY - centre[:, 0, None, None]
-    dx = _XX - centre[:, 1, None, None]
-    masks = _shape_masks(dy, dx, radius)  # (5, n, 32, 32) bool
-    mask = masks[labels % 5, np.arange(n)][:, None]  # (n, 1, 32, 32)
+    radius = rng.uniform(5, 11, n).astype(np.float32)
+    mask = np.empty((n, 1, 32, 32), bool)
+    for shape, draw in enumerate(_SHAPES):  # loop over the five shapes, never over images
+        picked = np.flatnonzero(labels % 5 == shape)
+        mask[picked, 0] = draw(_YY - centre[picked, 0, None, None],
+                               _XX - centre[picked, 1, None, None], radius[picked, None, None])
     images = np.where(mask, foreground[:, :, None, None], background[:, :, None, None])
-    images += rng.normal(0, 24, images.shape).astype(np.float32)
+    images += 24 * rng.standard_normal(images.shape, np.float32)
     return np.clip(images, 0, 255).round().astype(np.uint8)
-
-
-def _shape_masks(dy: np.ndarray, dx: np.ndarray, r: np.ndarray) -> np.ndarray:
-    """Offsets ``(n, 32, 32)`` from each centre, radii ``(n, 1, 1)`` -> masks ``(5, n, 32, 32)``."""
-    dist2, cheb = dy * dy + dx * dx, np.maximum(np.abs(dy), np.abs(dx))
-    box = cheb <= r
-    return np.stack([
-        dist2 <= r * r,  # disk
-        cheb <= 0.8 * r,  # square
-        (dist2 <= r * r) & (dist2 >= (0.55 * r) ** 2),  # ring
-        box & (np.floor(dy / 2) % 2 == 0),  # horizontal stripes, 2 px bars
-        box & ((np.abs(dy) <= r / 3) | (np.abs(dx) <= r / 3)),  # cross
-    ])
 
 
 def _synthetic_batches(n_train: int, n_test: int, seed: int):

@@ -1,4 +1,4 @@
-"""CIFAR as a Dask graph: resolve a ``--data`` source, download on request, and build one ``load-`` task per batch file.
+"""CIFAR as a Dask graph: resolve a ``--data`` source, download it on request, one ``load-`` task per file.
 
 The file formats live in ``pipeline.cifar`` (pure); this module only decides where the data is and
 wires :func:`pipeline.cifar.load` into a graph::
@@ -31,7 +31,7 @@ from pipeline.config import DataConfig
 from pipeline.errors import DataError
 
 BASE_URL = "https://www.cs.toronto.edu/~kriz/"
-# (dataset, format) -> (official archive, published MD5) from https://www.cs.toronto.edu/~kriz/cifar.html
+# (dataset, format) -> (official archive, its published MD5); both from BASE_URL + "cifar.html"
 ARCHIVES = {
     ("cifar10", "python"): ("cifar-10-python.tar.gz", "c58f30108f718f92721af3b95e74349a"),
     ("cifar10", "binary"): ("cifar-10-binary.tar.gz", "c32a1d4ab5d03f1284b67883e8d87530"),
@@ -73,6 +73,12 @@ def load_dataset(source: str, cfg: DataConfig | None = None, download: bool = Fa
     ``"synthetic:N:M"``, a CIFAR directory or official tarball, or ``cifar10`` / ``cifar10-binary``
     / ``cifar100`` for the official archive in the cache. With ``download`` (or
     ``cfg.download``) a missing official archive is fetched, MD5-checked; a present one is used.
+    ``cfg`` gives the cache directory and, for CIFAR-100, the label kind; ``source`` wins over
+    ``cfg.source``. Bad data raises DataError here, before any task runs.
+
+    Compute or persist images and labels together (as :func:`dataset_arrays` does): then each
+    file is read once and the scheduler shows ``load``, ``images`` and ``labels`` tasks. Alone,
+    one array still reads each file once, but dask fuses ``load`` into it (``load-images``).
 
     >>> ds = load_dataset("synthetic:50:10")
     >>> ds.train_images.shape, ds.train_images.chunks[0], ds.test_labels.dtype
@@ -128,6 +134,7 @@ def parse_synthetic(source: str) -> tuple[int, int] | None:
 
 
 def _plan(source: str, cfg: DataConfig, download: bool) -> _Plan:
+    source = os.fspath(source)
     sizes = parse_synthetic(source)
     if sizes is not None:
         return _synthetic_plan(*sizes, seed=SYNTHETIC_SEED)

@@ -1,4 +1,4 @@
-"""Shared test fixtures: a tiny synthetic CIFAR-10 in the official python format, as a directory and a tarball."""
+"""Shared test fixtures: a tiny synthetic CIFAR-10 in the official format (directory, tarball); a client."""
 from __future__ import annotations
 
 import shutil
@@ -39,7 +39,7 @@ def cifar_copy(cifar_dir, tmp_path) -> Path:
 
 @pytest.fixture(scope="session")
 def dask_client():
-    """An in-process distributed cluster (2 workers x 1 thread, no subprocesses, dashboard on a free port).
+    """An in-process distributed cluster: 2 workers x 1 thread, no subprocesses, any free port.
 
     Not the default scheduler: tests call ``dask_client.compute``/``submit`` explicitly, so other
     tests keep dask's local scheduler.

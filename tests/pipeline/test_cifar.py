@@ -1,4 +1,4 @@
-"""Tests for pipeline.cifar: the official formats as written and read, the restricted unpickler, synthetic data."""
+"""Tests for pipeline.cifar: official formats written and read, the restricted unpickler, synthetic data."""
 from __future__ import annotations
 
 import copyreg
