@@ -23,13 +23,14 @@ the tree shape, bit for bit; float64 entries are exact up to the usual reassocia
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
-# Elements per block when dividing and casting: a 512 KiB float64 scratch stays in L2 cache.
-# Measured on this machine for 100 MB of float32: blocked divide+cast 48 ms, unblocked 109 ms.
+# Elements per block: a 512 KiB float64 scratch stays in L2 cache. Measured on this machine
+# (2-core Xeon): the mean of two 100 MB float32 states takes 83 ms in blocks (combine_finalize)
+# against 130-150 ms for whole-array combine then finalize; divide+cast alone 48 vs 109 ms.
 _BLOCK = 1 << 16
 
 State = Mapping[str, np.ndarray]
@@ -131,12 +132,19 @@ def combine(partials: Sequence[Partial | State]) -> Partial:
         raise ValueError("combine needs at least one partial, got none")
     parts = [_as_partial_parts(item, i) for i, item in enumerate(partials)]
     ref_sums, count, first, dtypes = parts[0]
-    sums = {key: np.array(value, dtype=np.float64) for key, value in ref_sums.items()}
     for index, (other, other_count, _, _) in enumerate(parts[1:], start=1):
         _check_same_entries(ref_sums, other, index)
-        for key, value in other.items():
-            np.add(sums[key], value, out=sums[key])  # float32 inputs are cast exactly
         count = count + other_count
+    sums = {}
+    for key, value in ref_sums.items():
+        total = np.array(value, dtype=np.float64)  # a copy, exact widening
+        flat = total.reshape(-1)
+        others = [np.ravel(p[0][key]) for p in parts[1:]]
+        widen_buf = np.empty(min(_BLOCK, flat.size))
+        for block in _blocks(flat.size):
+            for other in others:
+                _add_into(flat[block], other[block], widen_buf[: block.stop - block.start])
+        sums[key] = total
     return Partial(sums, count, first, dtypes)
 
 
@@ -145,17 +153,59 @@ def _dtypes_of(like) -> dict[str, np.dtype]:
             for key, value in like.items()}
 
 
-def _divide_cast(total: np.ndarray, count, dtype: np.dtype) -> np.ndarray:
-    """``(total / count).astype(dtype)`` in cache-sized blocks (same bits, half the traffic)."""
-    flat = total.reshape(-1)
-    out = np.empty(flat.shape, dtype)
-    scratch = np.empty(min(_BLOCK, flat.size), np.float64)
-    for start in range(0, flat.size, _BLOCK):
-        stop = min(start + _BLOCK, flat.size)
-        block = scratch[: stop - start]
-        np.divide(flat[start:stop], count, out=block)
-        np.copyto(out[start:stop], block, casting="same_kind")
-    return out.reshape(total.shape)
+def _add_into(total: np.ndarray, value: np.ndarray, scratch: np.ndarray) -> None:
+    """``total += value`` for a float64 block; a narrower value is widened into ``scratch``
+    first (exact; an explicit widening copy is ~1.3x faster here than a mixed-dtype add)."""
+    if value.dtype != np.float64:
+        np.copyto(scratch, value)
+        value = scratch
+    np.add(total, value, out=total)
+
+
+def _blocks(size: int):
+    for start in range(0, size, _BLOCK):
+        yield slice(start, min(start + _BLOCK, size))
+
+
+def _mean_blocks(arrays: Sequence[np.ndarray], count, dtype: np.dtype) -> np.ndarray:
+    """``(sum(arrays) / count).astype(dtype)``, summed in float64 in cache-sized blocks.
+
+    Same bits as summing whole arrays in order (each element sees the same float64 adds and
+    the same division); the float64 sum of a block never leaves the cache.
+    """
+    flat = [np.ravel(a) for a in arrays]
+    size = flat[0].size
+    out = np.empty(size, dtype)
+    acc_buf, widen_buf = np.empty(min(_BLOCK, size)), np.empty(min(_BLOCK, size))
+    for block in _blocks(size):
+        n = block.stop - block.start
+        acc, widen = acc_buf[:n], widen_buf[:n]
+        np.copyto(acc, flat[0][block])  # exact widening
+        for other in flat[1:]:
+            _add_into(acc, other[block], widen)
+        np.divide(acc, count, out=acc)
+        np.copyto(out[block], acc, casting="same_kind")
+    return out.reshape(np.shape(arrays[0]))
+
+
+def _finish(sums_of: Callable[[str], list], count, first: Mapping, recorded, keys,
+            like) -> dict[str, np.ndarray]:
+    """Output dict for finalize/combine_finalize: float entries via _mean_blocks, others as is."""
+    dtypes = _dtypes_of(like) if like is not None else recorded
+    if dtypes is None:
+        raise ValueError("finalize needs like= (a state dict or {path: dtype}): "
+                         "the partial records no dtypes")
+    out = {}
+    for key in (list(like) if like is not None else [*keys, *first]):
+        if key in keys:
+            if key not in dtypes:
+                raise ValueError(f"finalize: like has no dtype for entry {key!r}")
+            out[key] = _mean_blocks(sums_of(key), count, np.dtype(dtypes[key]))
+        elif key in first:
+            out[key] = first[key]
+        else:
+            raise ValueError(f"finalize: entry {key!r} of like is not in the partial")
+    return out
 
 
 def finalize(partial: Partial, like: Mapping | None = None) -> dict[str, np.ndarray]:
@@ -169,22 +219,31 @@ def finalize(partial: Partial, like: Mapping | None = None) -> dict[str, np.ndar
     >>> finalize(p)["/W"], finalize(p, like={"/W": np.float64})["/W"].dtype
     (array([1.5], dtype=float16), dtype('float64'))
     """
-    dtypes = _dtypes_of(like) if like is not None else partial.dtypes
-    if dtypes is None:
-        raise ValueError("finalize needs like= (a state dict or {path: dtype}): "
-                         "the partial records no dtypes")
-    out = {}
-    order = list(like) if like is not None else [*partial.sums, *partial.first]
-    for key in order:
-        if key in partial.sums:
-            if key not in dtypes:
-                raise ValueError(f"finalize: like has no dtype for entry {key!r}")
-            out[key] = _divide_cast(partial.sums[key], partial.count, np.dtype(dtypes[key]))
-        elif key in partial.first:
-            out[key] = partial.first[key]
-        else:
-            raise ValueError(f"finalize: entry {key!r} of like is not in the partial")
-    return out
+    return _finish(lambda key: [partial.sums[key]], partial.count, partial.first,
+                   partial.dtypes, partial.sums.keys(), like)
+
+
+def combine_finalize(partials: Sequence[Partial | State],
+                     like: Mapping | None = None) -> dict[str, np.ndarray]:
+    """``finalize(combine(partials), like)`` bit for bit, in one blocked pass per entry.
+
+    The float64 sums are never materialised: for K float32 states of L bytes this reads K*L
+    and writes L, where combine then finalize write and re-read 2L of float64 (measured on
+    this machine for two 10 MB states: 7 ms instead of 21 ms). A tree's root uses it.
+
+    >>> s = [{"/W": np.array([1.0, 2.0], np.float32)}, {"/W": np.array([2.0, 2.0], np.float32)}]
+    >>> combine_finalize(s)["/W"]
+    array([1.5, 2. ], dtype=float32)
+    """
+    if not partials:
+        raise ValueError("combine needs at least one partial, got none")
+    parts = [_as_partial_parts(item, i) for i, item in enumerate(partials)]
+    ref_sums, count, first, dtypes = parts[0]
+    for index, (other, other_count, _, _) in enumerate(parts[1:], start=1):
+        _check_same_entries(ref_sums, other, index)
+        count = count + other_count
+    return _finish(lambda key: [p[0][key] for p in parts], count, first, dtypes,
+                   ref_sums.keys(), like)
 
 
 def mean(states: Sequence[State], weights: Sequence[float] | None = None) -> dict[str, np.ndarray]:
@@ -196,11 +255,11 @@ def mean(states: Sequence[State], weights: Sequence[float] | None = None) -> dic
     array([2.])
     """
     if weights is None:
-        return finalize(combine(list(states)))
+        return combine_finalize(list(states))
     if len(weights) != len(states):
         raise ValueError(f"weights must have one entry per state ({len(states)}), "
                          f"got {len(weights)}")
-    return finalize(combine([leaf(s, w) for s, w in zip(states, weights)]))
+    return combine_finalize([leaf(s, w) for s, w in zip(states, weights)])
 
 
 def outer_step(previous: State, averaged: State, momentum_buf: Mapping | None, lr: float,

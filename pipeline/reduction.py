@@ -54,12 +54,19 @@ def tree_plan(n: int, fan_in: int) -> list[list[tuple[int, ...]]]:
         width = len(groups)
 
 
-def _node(*children, raw: tuple[bool, ...], combine: Callable, leaf: Callable | None,
-          finalize: Callable | None):
-    """One tree task: leaf the raw inputs (if a leaf is given), combine in order, maybe finalize."""
-    items = [leaf(c) if is_raw and leaf is not None else c for c, is_raw in zip(children, raw)]
-    out = combine(items)
-    return finalize(out) if finalize is not None else out
+def _node(*children, raw: tuple[bool, ...], reduce: Callable, leaf: Callable | None):
+    """One tree task: leaf the raw inputs (if a leaf is given), then reduce them in order."""
+    return reduce([leaf(c) if is_raw and leaf is not None else c
+                   for c, is_raw in zip(children, raw)])
+
+
+def _then(items, *, combine: Callable, finalize: Callable):
+    """The root's default reduction: ``finalize(combine(items))``."""
+    return finalize(combine(items))
+
+
+def _root_fn(combine, finalize, combine_finalize):
+    return combine_finalize or partial(_then, combine=combine, finalize=finalize)
 
 
 def _build(inputs: Sequence, fan_in: int, make: Callable):
@@ -83,15 +90,16 @@ def _build(inputs: Sequence, fan_in: int, make: Callable):
 
 
 def reduce_local(inputs: Sequence, combine: Callable, finalize: Callable, *, fan_in: int,
-                 leaf: Callable | None = None):
+                 leaf: Callable | None = None, combine_finalize: Callable | None = None):
     """The same tree as :func:`tree_reduce`, evaluated in this process (the test oracle).
 
     >>> reduce_local([1, 2, 3, 4, 5], sum, lambda s: s * 10, fan_in=2)
     150
     """
+    root = _root_fn(combine, finalize, combine_finalize)
+
     def make(level, index, children, raw, is_root):
-        return _node(*children, raw=raw, combine=combine, leaf=leaf,
-                     finalize=finalize if is_root else None)
+        return _node(*children, raw=raw, reduce=root if is_root else combine, leaf=leaf)
     return _build(inputs, fan_in, make)
 
 
@@ -109,14 +117,18 @@ def _prefix(name: str, token: str) -> str:
 
 def tree_reduce(client, futures: Sequence, combine: Callable, finalize: Callable, *,
                 fan_in: int, name: str = "average", token: str, coords: tuple = (),
-                leaf: Callable | None = None, resources: dict | None = None):
+                leaf: Callable | None = None, resources: dict | None = None,
+                combine_finalize: Callable | None = None):
     """Submit a tree of ``combine`` tasks over ``futures``; the root applies ``finalize``.
 
     ``futures``: K futures (or values) in replica-index order; each group of ``fan_in``
     consecutive children becomes the task ``(f"{name}-{token}", *coords, level, index)``
     computing ``combine([leaf(x) for x in children])`` (``leaf`` only for inputs, i.e. in the
-    first tasks that see them), and the root ``finalize(combine(...))``. ``resources`` goes to
-    every ``client.submit``. Returns the root's future.
+    first tasks that see them), and the root ``finalize(combine(...))``, or
+    ``combine_finalize(...)`` when given (a fused equivalent such as
+    ``averaging.combine_finalize``, which never materialises the float64 sums at the root).
+    ``coords`` are ints or strs (dask keys allow no bools). ``resources`` goes to every
+    ``client.submit``. Returns the root's future.
 
     With ``combine=averaging.combine`` and ``finalize=averaging.finalize`` this is the exact
     mean of the states; for float32 states it equals ``finalize(combine(states))`` bit for bit
@@ -125,10 +137,10 @@ def tree_reduce(client, futures: Sequence, combine: Callable, finalize: Callable
     prefix = _prefix(name, token)
     if not futures:
         raise ValueError("tree_reduce needs at least one future, got none")
+    root = _root_fn(combine, finalize, combine_finalize)
 
     def make(level, index, children, raw, is_root):
-        task = partial(_node, raw=raw, combine=combine, leaf=leaf,
-                       finalize=finalize if is_root else None)
+        task = partial(_node, raw=raw, reduce=root if is_root else combine, leaf=leaf)
         return client.submit(task, *children, key=(prefix, *coords, level, index), pure=False,
                              resources=resources)
     return _build(futures, fan_in, make)

@@ -186,7 +186,8 @@ def test_nbytes_and_finiteness():
     assert averaging.is_finite({"/a": np.ones(2), "/N": np.array(1)})
 
 
-@pytest.mark.parametrize("fn", [leaf, combine, finalize, outer_step, averaging.mean,
+@pytest.mark.parametrize("fn", [leaf, combine, finalize, averaging.combine_finalize,
+                                outer_step, averaging.mean,
                                 averaging.nbytes, averaging.is_finite, averaging.first_nonfinite])
 def test_functions_pickle_round_trip(fn):
     assert pickle.loads(pickle.dumps(fn)) is fn
@@ -199,3 +200,20 @@ def test_partial_pickle_round_trip():
     for key in p.sums:
         np.testing.assert_array_equal(q.sums[key], p.sums[key])
     assert finalize(q)["/fc/W"].tobytes() == finalize(p)["/fc/W"].tobytes()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_combine_finalize_is_finalize_of_combine_bit_for_bit(dtype):
+    states = make_states(5, seed=11, dtype=dtype)
+    states[0]["/big"] = np.random.default_rng(11).standard_normal(70_000).astype(dtype)
+    for s in states[1:]:  # longer than one block
+        s["/big"] = states[0]["/big"][::-1].copy()
+    items = [states[0], leaf(states[1], 3), combine(states[2:4]), states[4]]
+    like = {**{k: np.float32 for k in states[0]}, "/bn1/N": np.int64}
+    for kwargs in ({}, {"like": like}):
+        fused, split = (averaging.combine_finalize(items, **kwargs),
+                        finalize(combine(items), **kwargs))
+        assert list(fused) == list(split)
+        for key in split:
+            assert fused[key].dtype == split[key].dtype
+            assert fused[key].tobytes() == split[key].tobytes(), key

@@ -8,7 +8,8 @@ from dask.utils import key_split
 from distributed import Client, LocalCluster
 
 from pipeline.averaging import combine, finalize, leaf
-from pipeline.reduction import _node, reduce_local, tree_plan, tree_reduce
+from pipeline.averaging import combine_finalize
+from pipeline.reduction import _node, _root_fn, reduce_local, tree_plan, tree_reduce
 
 TOKEN = "0a1b2c3d"
 
@@ -27,13 +28,15 @@ def make_states(k, seed, dtype=np.float32):
              "/bn/N": np.array(10 * i, np.int64)} for i in range(k)]
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("fan_in", [2, 3, 4])
-def test_graph_result_is_bit_exact_mean(client, fan_in):
+def test_graph_result_is_bit_exact_mean(client, fan_in, fused):
     for k in range(1, 9):
         states = make_states(k, seed=100 * fan_in + k)
         futures = client.scatter(states)  # scatter in order: futures[i] is replica i
         root = tree_reduce(client, futures, combine, finalize, fan_in=fan_in,
-                           token=TOKEN, coords=(fan_in, k))
+                           token=TOKEN, coords=(fan_in, k, int(fused)),
+                           combine_finalize=combine_finalize if fused else None)
         out = root.result()
         expected = finalize(combine(states))
         assert list(out) == list(expected)
@@ -41,7 +44,8 @@ def test_graph_result_is_bit_exact_mean(client, fan_in):
             assert out[key].dtype == expected[key].dtype
             assert out[key].tobytes() == expected[key].tobytes(), (fan_in, k, key)
         assert out["/bn/N"] == 0
-        assert root.key == (f"average-{TOKEN}", fan_in, k, len(tree_plan(k, fan_in)) - 1, 0)
+        assert root.key == (f"average-{TOKEN}", fan_in, k, int(fused),
+                            len(tree_plan(k, fan_in)) - 1, 0)
 
 
 def test_float64_graph_equals_the_local_tree_bit_for_bit(client):
@@ -121,7 +125,7 @@ def test_plan_covers_every_input_once_in_order(n, fan_in):
 
 
 def test_task_function_pickles():
-    task = partial(_node, raw=(True, False), combine=combine, leaf=leaf, finalize=finalize)
+    task = partial(_node, raw=(True, False), reduce=_root_fn(combine, finalize, None), leaf=leaf)
     again = pickle.loads(pickle.dumps(task))
     s = make_states(2, seed=4)
     out = again(s[0], leaf(s[1]))
