@@ -62,7 +62,7 @@ class TrainConfig:
     epochs: float = 2.0  # passes over the training set (fractions allowed, e.g. 0.5)
     batch_size: int = 64  # images per replica per step (B); gradient's global batch is K x B
     optimizer: str = "momentum"  # sgd | momentum | adam
-    lr: float = 0.05  # replica learning rate (Adam: alpha), before scaling and warmup
+    lr: float = 0.01  # replica learning rate (Adam: alpha), before scaling and warmup
     momentum: float = 0.9  # momentum optimizer only
     weight_decay: float = 0.0  # L2 coefficient, applied by the optimizer
     lr_scaling: str = "none"  # none | linear | sqrt: multiply lr by K or sqrt(K) (Horovod, seed 004)
@@ -139,6 +139,8 @@ class ClusterConfig:
         _check(all(tls) or not any(tls), "cluster.tls", "needs all of ca file, cert and key", tls)
         _check(self.connect_timeout > 0, "cluster.connect_timeout", "must be > 0",
                self.connect_timeout)
+        _check(self.resource_timeout >= 0, "cluster.resource_timeout", "must be >= 0",
+               self.resource_timeout)
 
 
 @dataclass(frozen=True)

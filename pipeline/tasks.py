@@ -1,0 +1,207 @@
+"""The functions that run inside Dask tasks: train a replica, evaluate a chunk, apply an update.
+
+Each takes host NumPy values and small NamedTuples and returns the same kinds; the Link and the
+optimizer are rebuilt (or taken from the thread's cache and overwritten) inside the task. Function
+names are the dashboard's stage labels: the graph builder keys their tasks ``"<name>-<token>"``.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+import augment
+from pipeline import averaging
+from pipeline.compat import F, chainer
+from pipeline.rng import rng_for
+from pipeline.state import (State, cached_model, get_optimizer_state, get_state, make_optimizer,
+                            param_keys, set_lr, set_optimizer_state, set_state, setup_optimizer)
+
+
+class Shard(NamedTuple):
+    """One replica's data for one round: ``images`` (n, 3, 32, 32) uint8 (augmented), ``labels`` (n,) int32."""
+    images: np.ndarray
+    labels: np.ndarray
+
+
+class StepSpec(NamedTuple):
+    """Everything a train task needs besides its state and its shard."""
+    model: str
+    n_classes: int
+    optimizer: str  # sgd | momentum | adam
+    momentum: float
+    weight_decay: float
+    lrs: tuple  # learning rate of each local step; its length is the number of steps
+    batch_size: int  # images per step
+    mode: str  # "steps": take len(lrs) optimizer steps; "gradient": one gradient, no update
+    opt_mode: str  # keep | reset | average (what happens to optimizer state at a mix)
+    seed: int
+    round: int
+    replica: int
+    device: str = "@numpy"  # Chainer device spec: "@numpy" or "@cupy:0"
+    mean: tuple = tuple(augment.CIFAR10_MEAN)
+    std: tuple = tuple(augment.CIFAR10_STD)
+
+
+class TrainResult(NamedTuple):
+    payload: State  # what the average- tree reduces: params (plus optimizer state when averaged),
+    #                 or for mode "gradient" the gradient and the updated BatchNorm statistics
+    opt: State | None  # this replica's optimizer state (kept across rounds in opt_mode "keep")
+    metrics: dict  # loss_sum, correct, n, seconds, finite, replica
+
+
+def _blas_threads():
+    """Limit BLAS threads to the worker's threads so parallel tasks do not oversubscribe cores."""
+    try:
+        from threadpoolctl import threadpool_limits
+
+        from pipeline.cluster import worker_threads
+        return threadpool_limits(worker_threads())
+    except Exception:  # outside a worker, or threadpoolctl missing: leave BLAS alone
+        return contextlib.nullcontext()
+
+
+def _to_device(array, device: str):
+    if device == "@numpy":
+        return array
+    return chainer.get_device(device).send(array)
+
+
+def _inputs(images, labels, spec: StepSpec):
+    """uint8 images -> normalized float32 on the task's device (uint8 is what crossed the network)."""
+    x = augment.normalize(_to_device(images, spec.device), spec.mean, spec.std)
+    return x, _to_device(labels.astype(np.int32, copy=False), spec.device)
+
+
+def _finite(value) -> bool:
+    return bool(np.isfinite(float(value)))
+
+
+def train(params: State, opt_state: State | None, shard: Shard, spec: StepSpec) -> TrainResult:
+    """Run one replica for one round: ``len(spec.lrs)`` steps of ``batch_size`` from ``shard``.
+
+    Dropout masks come from ``rng_for(seed, "dropout", round, replica)``.
+    """
+    start = time.perf_counter()
+    if any(k.startswith("opt/") for k in params):  # opt_mode "average": the mix carried it
+        opt_state = {k[4:]: v for k, v in params.items() if k.startswith("opt/")}
+        params = {k: v for k, v in params.items() if not k.startswith("opt/")}
+    with _blas_threads(), chainer.using_config("train", True):
+        model = set_state(cached_model(spec.model, spec.n_classes, spec.device), params)
+        rng = rng_for(spec.seed, "dropout", spec.round, spec.replica)
+        if spec.mode == "gradient":
+            return _gradient(model, shard, spec, rng, start)
+        optimizer = setup_optimizer(
+            make_optimizer(spec.optimizer, spec.lrs[0], spec.momentum, spec.weight_decay), model)
+        if opt_state is not None and spec.opt_mode != "reset":
+            set_optimizer_state(optimizer, opt_state)
+        loss_sum, correct, n, finite = 0.0, 0, 0, True
+        for step, lr in enumerate(spec.lrs):
+            lo = step * spec.batch_size
+            x, t = _inputs(shard.images[lo:lo + spec.batch_size],
+                           shard.labels[lo:lo + spec.batch_size], spec)
+            logits = model(x, rng=rng)
+            loss = F.softmax_cross_entropy(logits, t)
+            model.cleargrads()
+            loss.backward()
+            set_lr(optimizer, lr)
+            optimizer.update()
+            loss_sum += float(loss.array) * len(t)
+            correct += int((logits.array.argmax(axis=1) == t).sum())
+            n += len(t)
+            if not _finite(loss.array):
+                finite = False
+                break
+        new_params = get_state(model)
+        new_opt = get_optimizer_state(optimizer)
+    nonfinite = averaging.first_nonfinite(new_params)
+    finite = finite and nonfinite is None
+    payload = dict(new_params)
+    if spec.opt_mode == "average":
+        payload.update({"opt/" + k: v for k, v in new_opt.items()})
+    metrics = dict(loss_sum=loss_sum, correct=correct, n=n, finite=finite, replica=spec.replica,
+                   nonfinite=nonfinite, seconds=time.perf_counter() - start)
+    return TrainResult(payload, None if spec.opt_mode == "reset" else new_opt, metrics)
+
+
+def _gradient(model, shard: Shard, spec: StepSpec, rng, start: float) -> TrainResult:
+    """Mode "gradient": the mean-loss gradient on the whole shard, no update (Distributed Gradient)."""
+    x, t = _inputs(shard.images, shard.labels, spec)
+    logits = model(x, rng=rng)
+    loss = F.softmax_cross_entropy(logits, t)
+    model.cleargrads()
+    loss.backward()
+    payload = get_state(model)  # BatchNorm statistics as updated by this forward pass
+    for path, param in model.namedparams():
+        payload[path.lstrip("/")] = np.array(chainer.backend.CpuDevice().send(param.grad))
+    metrics = dict(loss_sum=float(loss.array) * len(t),
+                   correct=int((logits.array.argmax(axis=1) == t).sum()), n=len(t),
+                   finite=_finite(loss.array), replica=spec.replica,
+                   seconds=time.perf_counter() - start)
+    return TrainResult(payload, None, metrics)
+
+
+def update(params: State, opt_state: State | None, mean: State, spec: StepSpec) -> tuple:
+    """Apply one optimizer step with the averaged gradient ``mean`` (Distributed Gradient).
+
+    ``mean`` holds the replicas' sample-weighted mean gradient for every parameter and their mean
+    BatchNorm statistics. Returns ``(params, optimizer_state)``.
+    """
+    with _blas_threads():
+        model = set_state(cached_model(spec.model, spec.n_classes, spec.device), params)
+        optimizer = setup_optimizer(
+            make_optimizer(spec.optimizer, spec.lrs[0], spec.momentum, spec.weight_decay), model)
+        if opt_state is not None:
+            set_optimizer_state(optimizer, opt_state)
+        trainable = set(param_keys(model))
+        for path, param in model.namedparams():
+            param.grad = _to_device(mean[path.lstrip("/")], spec.device)
+        optimizer.update()
+        new_params = get_state(model)
+        for key, value in mean.items():  # BatchNorm statistics: the replicas' mean
+            if key not in trainable and np.issubdtype(value.dtype, np.floating):
+                new_params[key] = value
+        return new_params, get_optimizer_state(optimizer)
+
+
+class EvalSpec(NamedTuple):
+    model: str
+    n_classes: int
+    tta: bool = False
+    device: str = "@numpy"
+    mean: tuple = tuple(augment.CIFAR10_MEAN)
+    std: tuple = tuple(augment.CIFAR10_STD)
+
+
+def predict_proba(params: State, images: np.ndarray, spec: EvalSpec) -> np.ndarray:
+    """(N, 3, 32, 32) uint8 -> (N, classes) float32 softmax probabilities (TTA-averaged if asked)."""
+    with _blas_threads(), chainer.using_config("train", False), chainer.no_backprop_mode():
+        model = set_state(cached_model(spec.model, spec.n_classes, spec.device), params)
+
+        def proba(batch):
+            x = augment.normalize(batch, spec.mean, spec.std)
+            return F.softmax(model(x)).array
+
+        images = _to_device(images, spec.device)
+        out = augment.tta_average(proba, images) if spec.tta else proba(images)
+        return np.asarray(chainer.backend.CpuDevice().send(out), dtype=np.float32)
+
+
+def evaluate(params: State, images: np.ndarray, labels: np.ndarray, spec: EvalSpec) -> dict:
+    """Loss sum, correct count and size of one test chunk; summed over chunks by the driver."""
+    start = time.perf_counter()
+    proba = predict_proba(params, images, spec)
+    labels = np.asarray(labels, dtype=np.int64)
+    picked = np.clip(proba[np.arange(len(labels)), labels], 1e-12, None)
+    return dict(loss_sum=float(-np.log(picked.astype(np.float64)).sum()),
+                correct=int((proba.argmax(axis=1) == labels).sum()), n=int(len(labels)),
+                seconds=time.perf_counter() - start)
+
+
+def init_params(model: str, n_classes: int, seed: int) -> State:
+    """The initial weights every replica starts from (Horovod's broadcast of rank 0's weights)."""
+    from pipeline.models import build_model
+    return get_state(build_model(model, n_classes, seed=seed))
+

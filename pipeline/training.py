@@ -1,0 +1,473 @@
+"""The driver of a run: submits rounds, collects their metrics, checkpoints, recovers, writes outputs.
+
+The single place that calls ``gather``: tasks never compute or wait. Rounds are submitted one
+ahead of the one being collected (except before a checkpoint), so a round's tasks start as soon as
+the previous average lands, and augmentation runs ``augment.prefetch`` rounds ahead of training.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+import augment as aug
+from pipeline import checkpoint, tasks
+from pipeline.checkpoint import HostState
+from pipeline.config import Config
+from pipeline.errors import ClusterError, DivergenceError, ResumeError, UsageError
+from pipeline.models import build_model, check_model_name
+from pipeline.schedule import learning_rate, plan_rounds, round_period, steps_per_epoch
+from pipeline.state import set_state
+
+# Config fields that may change between a run and its resume (where and how it runs, not what).
+_RESUMABLE = {"cluster", "out", "progress"}
+_STAGES = ("load", "augment", "train", "average", "update", "evaluate")
+_MAX_RETRIES = 3  # consecutive recoveries from lost workers before the run gives up
+
+
+class TrainOutput(NamedTuple):
+    history: list  # one metrics dict per round (the lines of metrics.jsonl)
+    model: object  # chainer.Link with the final (averaged) weights, on the host
+    params: dict  # the same weights as a state dict
+    out: str | None
+    config: Config
+
+
+class _Live(NamedTuple):
+    """Futures of the current state: per replica params and optimizer state, outer momentum."""
+    params: list
+    opts: list
+    outer: object
+
+
+class _Pending(NamedTuple):
+    rnd: object
+    live: _Live  # state after this round
+    metrics: list  # futures of the replicas' metric dicts
+    evals: list  # futures of evaluate- results ([] when not evaluated)
+    submitted: float
+
+
+def _log_default(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def train(config: Config, client=None, *, resume: bool = False, overwrite: bool = False,
+          log: Callable[[str], None] | None = None, on_round: Callable[[dict], None] | None = None
+          ) -> TrainOutput:
+    """Train ``config`` on ``client`` (or on a LocalCluster/scheduler from ``config.cluster``).
+
+    ``on_round`` is called with each round's metrics dict (live plots in notebooks).
+    """
+    log = log or _log_default
+    config = _normalise(config)
+    out = _prepare_out(config, resume, overwrite)
+    from pipeline.cluster import connect, local_gpus
+    with contextlib.ExitStack() as stack:
+        if client is None:
+            gpus = local_gpus() if config.train.device != "cpu" else ()
+            client = stack.enter_context(connect(config.cluster, log=log, gpus=gpus))
+        return _Run(client, config, out, log, on_round).run(resume)
+
+
+def _normalise(config: Config) -> Config:
+    config.validate()
+    check_model_name(config.model.name)
+    aug.get_policy(config.augment.policy)  # ValueError naming augment.policy
+    if config.train.strategy == "single" and config.train.replicas != 1:
+        raise UsageError("train.replicas must be 1 for strategy single")
+    return config
+
+
+def _prepare_out(config: Config, resume: bool, overwrite: bool) -> Path | None:
+    if config.out is None:
+        if resume:
+            raise UsageError("resume needs an output directory (--out)")
+        return None
+    out = Path(config.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"output directory {out} exists and is not a directory")
+    if resume:
+        if not (out / "checkpoints").is_dir():
+            raise ResumeError(f"nothing to resume in {out}: it has no checkpoints/")
+    elif out.is_dir() and (out / "metrics.jsonl").exists() and not overwrite:
+        raise UsageError(f"{out} already holds a run; resume it with --resume or pick another --out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create output directory {out}: {exc.strerror}") from None
+    if not resume and overwrite:
+        import shutil
+        for name in ("metrics.jsonl", "model.npz", "curves.png", "summary.json"):
+            (out / name).unlink(missing_ok=True)
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    return out
+
+
+def _round_of(key) -> int | None:
+    match = re.match(r"\('?\"?[a-z_]+-[0-9a-f]{8}'?\"?, (\d+)", str(key))
+    return int(match.group(1)) if match else None
+
+
+class _Run:
+    """One training run on one client."""
+
+    def __init__(self, client, config: Config, out: Path | None, log, on_round):
+        self.client, self.config, self.out, self.log, self.on_round = (
+            client, config, out, log, on_round)
+        self.history: list[dict] = []
+        self.stage_by_round: dict[int, dict] = {}
+        self.intervals_by_round: dict[int, list] = {}
+
+    # ---- set-up --------------------------------------------------------------------------
+    def _setup(self):
+        from pipeline import cluster, graph
+        from pipeline.data import load_dataset
+        cfg = self.config
+        t0 = time.perf_counter()
+        dataset = load_dataset(cfg.data.source, cfg.data, download=cfg.data.download)
+        self.n_classes = dataset.n_classes
+        device, train_res = self._device()
+        augment_res = ({cfg.augment.resource: 1}
+                       if cluster.has_resource(self.client, cfg.augment.resource) else None)
+        data = graph.persist_dataset(self.client, dataset)
+        self.graph = graph.RoundGraph(self.client, data, cfg, n_classes=self.n_classes,
+                                      device=device, train_resources=train_res,
+                                      augment_resources=augment_res)
+        t = cfg.train
+        self.K = t.replicas
+        self.per_epoch = steps_per_epoch(data.n_train, self.K, t.batch_size)
+        period = round_period(t.strategy, cfg.average.period(self.per_epoch))
+        self.rounds = plan_rounds(data.n_train, self.K, t.batch_size, t.epochs, period, t.strategy)
+        self.warmup_steps = int(round(t.warmup_epochs * self.per_epoch))
+        self.opt_mode = cfg.average.optimizer_state if t.strategy == "ipm" else "keep"
+        self.device = device
+        self.load_seconds = time.perf_counter() - t0
+        self.log(f"{t.strategy}: {self.K} replica(s) x batch {t.batch_size}, {len(self.rounds)} "
+                 f"rounds of up to {period} step(s), {self.per_epoch} steps/epoch, "
+                 f"{data.n_train} training images, model {cfg.model.name}, device {device}")
+
+    def _device(self):
+        from pipeline import cluster
+        t, c = self.config.train, self.config.cluster
+        if t.device == "cpu":
+            return "@numpy", None
+        if t.device == "gpu":
+            cluster.require_resource(self.client, t.gpu_resource, c.resource_timeout)
+        elif not cluster.has_resource(self.client, t.gpu_resource):
+            return "@numpy", None
+        return "@cupy:0", {t.gpu_resource: 1}
+
+    def _spec(self, rnd, replica: int, mode: str = "steps") -> tasks.StepSpec:
+        t = self.config.train
+        lrs = tuple(learning_rate(t.lr, self.K, t.lr_scaling, self.warmup_steps, s)
+                    for s in range(rnd.global_step, rnd.global_step + rnd.steps))
+        return tasks.StepSpec(self.config.model.name, self.n_classes, t.optimizer, t.momentum,
+                              t.weight_decay, lrs, t.batch_size, mode, self.opt_mode,
+                              self.config.seed, rnd.index, replica, self.device)
+
+    def _eval_spec(self) -> tasks.EvalSpec:
+        return tasks.EvalSpec(self.config.model.name, self.n_classes, self.config.train.tta,
+                              self.device)
+
+    # ---- state on the host and on the cluster -------------------------------------------
+    def _initial_state(self) -> HostState:
+        params = tasks.init_params(self.config.model.name, self.n_classes, self.config.seed)
+        return HostState(-1, [params] * self.K, [None] * self.K, None)
+
+    def _shared(self) -> bool:
+        return self.config.train.strategy in ("ipm", "gradient")
+
+    def _scatter(self, state: HostState) -> _Live:
+        """Host state -> futures with no lineage (a fresh root for the rounds that follow)."""
+        g = self.graph
+        if self._shared() or state.round < 0:
+            params = [g.scatter(state.params[0])] * self.K
+        else:
+            params = [g.scatter(p) for p in state.params]
+        opts = [g.scatter(o) if o is not None else None for o in state.opts]
+        if self.config.train.strategy == "gradient" and state.opts[0] is not None:
+            opts = [opts[0]] * self.K
+        outer = g.scatter(state.outer) if state.outer is not None else None
+        return _Live(params, opts, outer)
+
+    def _gather_state(self, rnd_index: int, live: _Live) -> HostState:
+        params, opts, outer = self.client.gather([live.params, live.opts, live.outer])
+        return HostState(rnd_index, params, opts, outer)
+
+    # ---- one round -----------------------------------------------------------------------
+    def _submit_augment(self, upto: int, augments: dict):
+        t = self.config.train
+        for index in range(self._first_unsubmitted_aug, min(upto, len(self.rounds) - 1) + 1):
+            rnd = self.rounds[index]
+            for k in range(self.K):
+                augments[(index, k)] = self.graph.submit_augment(rnd, k, self.K, t.batch_size)
+            self._first_unsubmitted_aug = index + 1
+
+    def _submit_round(self, rnd, live: _Live, augments: dict) -> _Pending:
+        g, strategy = self.graph, self.config.train.strategy
+        shards = [augments.pop((rnd.index, k)) for k in range(self.K)]
+        if strategy == "gradient":
+            outs = [g.submit_train(rnd, k, live.params[0], None, shards[k],
+                                   self._spec(rnd, k, "gradient")) for k in range(self.K)]
+            params, opt = g.submit_gradient_update(rnd, [o[0] for o in outs], live.params[0],
+                                                   live.opts[0], self._spec(rnd, 0))
+            new = _Live([params] * self.K, [opt] * self.K, None)
+        else:
+            outs = [g.submit_train(rnd, k, live.params[k], live.opts[k], shards[k],
+                                   self._spec(rnd, k)) for k in range(self.K)]
+            opts = [o[1] for o in outs]
+            if rnd.mix:
+                params, outer = g.submit_average(rnd, [o[0] for o in outs], live.params[0],
+                                                 live.outer)
+                new = _Live([params] * self.K, opts, outer)
+            else:
+                new = _Live([o[0] for o in outs], opts, live.outer)
+        evals = []
+        if self._evaluates(rnd):
+            evals = g.submit_evaluate(rnd.index, self._model_params(rnd, new), self._eval_spec())
+        return _Pending(rnd, new, [o[2] for o in outs], evals, time.perf_counter())
+
+    def _model_params(self, rnd, live: _Live):
+        """Future of 'the model' after ``rnd``: the shared params, or for mixture mid-run the
+        replicas' average (what stopping here would give)."""
+        if self._shared() or rnd.mix or self.K == 1:
+            return live.params[0]
+        params, _ = self.graph.submit_average(rnd, live.params, live.params[0], None)
+        return params
+
+    def _evaluates(self, rnd) -> bool:
+        every = self.config.eval_every
+        return rnd.epoch_end or rnd.index == len(self.rounds) - 1 or (
+            every > 0 and (rnd.index + 1) % every == 0)
+
+    def _checkpoints(self, rnd) -> bool:
+        every = self.config.checkpoint_every
+        return self.out is not None and (
+            rnd.index == len(self.rounds) - 1 or (every > 0 and (rnd.index + 1) % every == 0))
+
+    # ---- collecting ----------------------------------------------------------------------
+    def _collect(self, pending: _Pending, stream) -> dict:
+        rnd = pending.rnd
+        metrics = self.client.gather(pending.metrics)
+        evals = self.client.gather(pending.evals) if pending.evals else []
+        self._collecting = rnd.index
+        for m in metrics:
+            if not m["finite"]:
+                raise DivergenceError(
+                    f"training diverged in round {rnd.index} (epoch {rnd.epoch}), replica "
+                    f"{m['replica']}: {m.get('nonfinite') or 'loss'} is NaN or Inf")
+        self._account(stream())
+        n = sum(m["n"] for m in metrics)
+        line = dict(round=rnd.index, epoch=rnd.epoch,
+                    epoch_float=round((rnd.global_step + rnd.steps) / self.per_epoch, 6),
+                    step=rnd.global_step + rnd.steps,
+                    train_loss=sum(m["loss_sum"] for m in metrics) / n,
+                    train_acc=sum(m["correct"] for m in metrics) / n,
+                    lr=self._spec(rnd, 0).lrs[-1], images=n)
+        if evals:
+            m = sum(e["n"] for e in evals)
+            line.update(test_loss=sum(e["loss_sum"] for e in evals) / m,
+                        test_acc=sum(e["correct"] for e in evals) / m)
+        line["seconds"] = round(time.perf_counter() - self.start, 4)
+        line["stage_seconds"] = self._stage_seconds(rnd.index)
+        line["bytes_averaged"] = self._bytes_averaged(rnd)
+        return line
+
+    def _account(self, records: list) -> None:
+        for rec in records:
+            r = _round_of(rec.get("key"))
+            stage = str(rec.get("key", "")).split("-")[0].strip("('\"")
+            if stage == "load":  # keyed by block, not round: charge the round being collected
+                r = self._collecting
+            if r is None or stage not in _STAGES:
+                continue
+            stages = self.stage_by_round.setdefault(r, {})
+            for ss in rec.get("startstops", ()):
+                if ss.get("action") == "compute":
+                    stages[stage] = stages.get(stage, 0.0) + ss["stop"] - ss["start"]
+                    self.intervals_by_round.setdefault(r, []).append((ss["start"], ss["stop"]))
+
+    def _stage_seconds(self, r: int) -> dict:
+        stages = {s: round(v, 4) for s, v in self.stage_by_round.pop(r, {}).items()}
+        stages = {s: stages.get(s, 0.0) for s in _STAGES if s != "update" or s in stages}
+        if r == self._first_collected:
+            stages["load"] = round(self.load_seconds + stages.get("load", 0.0), 4)
+        intervals = sorted(self.intervals_by_round.pop(r, []))
+        busy, end = 0.0, -np.inf
+        for lo, hi in intervals:  # length of the union of compute intervals
+            busy += max(0.0, hi - max(lo, end))
+            end = max(end, hi)
+        wall = time.perf_counter() - self._last_collect
+        self._last_collect = time.perf_counter()
+        stages["waiting"] = round(max(0.0, wall - busy), 4)
+        return stages
+
+    def _bytes_averaged(self, rnd) -> int:
+        if not rnd.mix:
+            return 0
+        per_replica = self.payload_bytes * (2 if self.opt_mode == "average" else 1)
+        return int(per_replica * self.K)
+
+    # ---- the loop ------------------------------------------------------------------------
+    def run(self, resume: bool) -> TrainOutput:
+        from pipeline import averaging, graph
+        self._setup()
+        state = self._resume_state() if resume else self._initial_state()
+        self.payload_bytes = averaging.nbytes(state.params[0])
+        if self.out is not None:
+            checkpoint.write_atomic(self.out / "config.json", self.config.to_json())
+        if resume:
+            self._truncate_metrics(state.round)
+        self.start = self._last_collect = time.perf_counter()
+        self._first_collected = state.round + 1
+        progress = self._progress(state.round + 1)
+        retries = 0
+        self._anchor = state
+        with graph.task_stream(self.client) as stream:
+            while True:
+                try:
+                    state = self._run_from(self._anchor, stream, progress)
+                    break
+                except DivergenceError:
+                    raise
+                except Exception as exc:
+                    if not self._recoverable(exc) or retries >= _MAX_RETRIES:
+                        raise self._fatal(exc) from exc
+                    retries += 1
+                    self.log(f"lost work ({type(exc).__name__}: {exc}); replaying from round "
+                             f"{self._anchor.round + 1}")
+        progress.close()
+        return self._finish(state)
+
+    def _run_from(self, anchor: HostState, stream, progress) -> HostState:
+        """Run the rounds after ``anchor``; returns the final host state. Raises on lost work,
+        after which ``run`` replays from the last anchor (a checkpoint, or the start)."""
+        live = self._scatter(anchor)
+        augments: dict = {}
+        self._first_unsubmitted_aug = anchor.round + 1
+        pending: list[_Pending] = []
+        prefetch = self.config.augment.prefetch
+        state = anchor
+        for rnd in self.rounds[anchor.round + 1:]:
+            self._submit_augment(rnd.index + prefetch, augments)
+            pending.append(self._submit_round(rnd, live, augments))
+            live = pending[-1].live
+            if len(pending) > 1:
+                self._emit(self._collect(pending.pop(0), stream), progress)
+            if self._checkpoints(rnd) or rnd.index == len(self.rounds) - 1:
+                self._emit(self._collect(pending.pop(0), stream), progress)
+                state = self._gather_state(rnd.index, live)
+                if self._checkpoints(rnd):
+                    self._save_checkpoint(state)
+                live = self._scatter(state)  # cut lineage: later rounds hang off this root
+                self._anchor = state
+        return state
+
+    def _emit(self, line: dict, progress) -> None:
+        if self.history and line["round"] <= self.history[-1]["round"]:
+            return  # a replayed round after a recovery: already reported
+        self.history.append(line)
+        if self.out is not None:
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(line) + "\n")  # one write per whole line
+        if self.on_round:
+            self.on_round(line)
+        progress.update(1)
+        postfix = dict(loss=f"{line['train_loss']:.3f}", acc=f"{line['train_acc']:.3f}")
+        if "test_acc" in line:
+            postfix["test_acc"] = f"{line['test_acc']:.3f}"
+        progress.set_postfix(postfix, refresh=False)
+
+    def _progress(self, initial: int):
+        from tqdm.auto import tqdm
+        return tqdm(total=len(self.rounds), initial=initial, unit="round",
+                    disable=not self.config.progress, file=sys.stderr, dynamic_ncols=True)
+
+    def _recoverable(self, exc: BaseException) -> bool:
+        import distributed
+        from distributed.client import FutureCancelledError
+        if self.client.status not in ("running", "connecting"):
+            return False
+        lost = (distributed.KilledWorker, FutureCancelledError, OSError,
+                distributed.comm.core.CommClosedError)
+        return isinstance(exc, lost) or "lost" in str(exc).lower()
+
+    def _fatal(self, exc: BaseException) -> BaseException:
+        if self.client.status not in ("running", "connecting") or isinstance(exc, OSError):
+            where = f"; resume with --resume {self.out}" if self.out else ""
+            return ClusterError(f"lost the cluster ({type(exc).__name__}: {exc}){where}")
+        return exc
+
+    # ---- checkpoints and outputs ---------------------------------------------------------
+    def _final_params(self, state: HostState) -> dict:
+        if self._shared() or len(state.params) == 1 or self.config.train.strategy == "mixture":
+            return {k: v for k, v in state.params[0].items() if not k.startswith("opt/")}
+        raise AssertionError("unreachable")
+
+    def _save_checkpoint(self, state: HostState) -> None:
+        checkpoint.save(self.out, state, self._final_params(state), self._comparable())
+
+    def _comparable(self) -> dict:
+        return {k: v for k, v in self.config.to_dict().items() if k not in _RESUMABLE}
+
+    def _resume_state(self) -> HostState:
+        found = checkpoint.load_latest(self.out, warn=self.log)
+        if found is None:
+            raise ResumeError(f"no readable checkpoint in {self.out / 'checkpoints'}")
+        state, meta = found
+        saved, now = meta["config"], self._comparable()
+        for section in sorted(set(saved) | set(now)):
+            a, b = saved.get(section), now.get(section)
+            if isinstance(a, dict) and isinstance(b, dict):
+                for key in sorted(set(a) | set(b)):
+                    if a.get(key) != b.get(key):
+                        raise ResumeError(
+                            f"{self.out} was written by a different run: {section}.{key} is "
+                            f"{a.get(key)!r} there and {b.get(key)!r} now")
+            elif a != b:
+                raise ResumeError(f"{self.out} was written by a different run: {section} is "
+                                  f"{a!r} there and {b!r} now")
+        self.log(f"resuming {self.out} after round {state.round}")
+        return state
+
+    def _truncate_metrics(self, last_round: int) -> None:
+        path = self.out / "metrics.jsonl"
+        if not path.exists():
+            return
+        kept = []
+        for text in path.read_text().splitlines():
+            try:
+                line = json.loads(text)
+            except ValueError:
+                break  # a torn last line from a killed driver
+            if line["round"] <= last_round:
+                kept.append(line)
+        self.history = kept
+        checkpoint.write_atomic(path, "".join(json.dumps(x) + "\n" for x in kept))
+
+    def _finish(self, state: HostState) -> TrainOutput:
+        params = self._final_params(state)
+        model = set_state(build_model(self.config.model.name, self.n_classes), params)
+        if self.out is not None:
+            from pipeline.compat import serializers
+            from pipeline.plots import save_curves
+            tmp = self.out / ".model.npz.tmp.npz"
+            serializers.save_npz(str(tmp), model)
+            tmp.replace(self.out / "model.npz")
+            save_curves(self.history, self.out / "curves.png",
+                        title=f"{self.config.train.strategy} K={self.K} {self.config.model.name}")
+            last = self.history[-1] if self.history else {}
+            summary = dict(rounds=len(self.rounds), seconds=last.get("seconds"),
+                           train_acc=last.get("train_acc"), test_acc=last.get("test_acc"),
+                           test_loss=last.get("test_loss"))
+            checkpoint.write_atomic(self.out / "summary.json", json.dumps(summary, indent=1))
+        return TrainOutput(self.history, model, params, str(self.out) if self.out else None,
+                           self.config)
+

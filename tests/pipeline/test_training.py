@@ -1,0 +1,149 @@
+"""Training strategies end to end on a cluster: equivalences, determinism, resume, outputs."""
+import json
+
+import numpy as np
+import pytest
+
+from pipeline import Config
+from pipeline.compat import serializers
+from pipeline.errors import ResumeError, UsageError
+from pipeline.models import build_model
+from pipeline.state import get_state
+from pipeline.training import train
+
+SMALL = "synthetic:512:128"
+
+
+def _config(tmp_path=None, **changes) -> Config:
+    base = {"data.source": SMALL, "model.name": "small-cnn", "train.batch_size": 16,
+            "train.epochs": 1, "train.lr": 0.01, "augment.policy": "cifar", "progress": False,
+            "checkpoint_every": 0, "seed": 3}
+    if tmp_path is not None:
+        base["out"] = str(tmp_path)
+    base.update(changes)
+    return Config().replace(**base)
+
+
+def _close(a: dict, b: dict, rtol=1e-4, atol=1e-5):
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=rtol, atol=atol, err_msg=k)
+
+
+def _equal(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes(), k
+
+
+def test_gradient_equals_single_with_k_times_b(dask_client):
+    single = train(_config(**{"train.strategy": "single", "train.replicas": 1,
+                              "train.batch_size": 32}), client=dask_client)
+    gradient = train(_config(**{"train.strategy": "gradient", "train.replicas": 2}),
+                     client=dask_client)
+    assert len(gradient.history) == 16 and single.history[-1]["step"] == 16
+    _close(single.params, gradient.params)
+
+
+def test_ipm_h1_sgd_equals_gradient(dask_client):
+    common = {"train.replicas": 4, "train.batch_size": 8, "train.optimizer": "sgd",
+              "train.lr": 0.05}
+    gradient = train(_config(**common, **{"train.strategy": "gradient"}), client=dask_client)
+    ipm = train(_config(**common, **{"train.strategy": "ipm", "average.mix_every": "1"}),
+                client=dask_client)
+    _close(gradient.params, ipm.params)
+
+
+@pytest.mark.slow
+def test_weights_identical_on_1_and_3_worker_processes(tmp_path):
+    cfg = _config(**{"train.strategy": "ipm", "train.replicas": 3, "average.mix_every": "4",
+                     "average.outer_momentum": 0.5, "average.outer_lr": 0.8,
+                     "cluster.threads_per_worker": 1})
+    one = train(cfg.replace(**{"cluster.workers": 1}))
+    three = train(cfg.replace(**{"cluster.workers": 3}))
+    _equal(one.params, three.params)
+
+
+@pytest.mark.parametrize("strategy, replicas", [("mixture", 2), ("ipm", 2)])
+def test_resume_equals_uninterrupted(tmp_path, dask_client, strategy, replicas):
+    cfg = _config(**{"train.strategy": strategy, "train.replicas": replicas, "train.epochs": 2,
+                     "average.mix_every": "3", "checkpoint_every": 2,
+                     "average.optimizer_state": "keep"})
+    whole = train(cfg.replace(out=str(tmp_path / "whole")), client=dask_client)
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_round_4(line):
+        if line["round"] == 4:
+            raise Stop
+
+    with pytest.raises(Stop):
+        train(cfg.replace(out=str(tmp_path / "cut")), client=dask_client,
+              on_round=stop_after_round_4)
+    resumed = train(cfg.replace(out=str(tmp_path / "cut")), client=dask_client, resume=True)
+    _equal(whole.params, resumed.params)
+    lines = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["round"] for x in lines] == list(range(len(whole.history)))
+
+
+def test_outputs(tmp_path, dask_client):
+    result = train(_config(tmp_path, **{"train.strategy": "ipm", "train.replicas": 2,
+                                        "average.mix_every": "1ep", "train.epochs": 2}),
+                   client=dask_client)
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and lines[-1]["epoch"] == 1
+    for key in ("round", "epoch", "step", "train_loss", "train_acc", "test_loss", "test_acc",
+                "seconds", "stage_seconds", "bytes_averaged"):
+        assert key in lines[-1], key
+    assert set(lines[-1]["stage_seconds"]) >= {"load", "augment", "train", "average", "evaluate",
+                                               "waiting"}
+    assert lines[-1]["stage_seconds"]["train"] > 0
+    assert lines[-1]["bytes_averaged"] == 2 * sum(v.nbytes for v in result.params.values())
+    model = build_model("small-cnn")
+    serializers.load_npz(str(tmp_path / "model.npz"), model)  # Chainer alone can read it
+    _equal(get_state(model), result.params)
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["strategy"] == "ipm"
+
+
+def test_existing_run_is_not_overwritten(tmp_path, dask_client):
+    cfg = _config(tmp_path, **{"train.strategy": "single", "train.replicas": 1,
+                               "train.epochs": 0.25})
+    train(cfg, client=dask_client)
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    with pytest.raises(UsageError, match="already holds a run"):
+        train(cfg, client=dask_client)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+
+
+def test_resume_refuses_a_different_run(tmp_path, dask_client):
+    cfg = _config(tmp_path, **{"train.strategy": "single", "train.replicas": 1,
+                               "train.epochs": 0.25})
+    train(cfg, client=dask_client)
+    with pytest.raises(ResumeError, match="train.lr"):
+        train(cfg.replace(**{"train.lr": 0.5}), client=dask_client, resume=True)
+    with pytest.raises(ResumeError, match="model.name"):
+        train(cfg.replace(**{"model.name": "resnet20"}), client=dask_client, resume=True)
+
+
+def test_divergence_names_round_and_replica(tmp_path, dask_client):
+    from pipeline.errors import DivergenceError
+    cfg = _config(tmp_path, **{"train.strategy": "ipm", "train.replicas": 2, "train.lr": 1e6,
+                               "train.optimizer": "sgd", "average.mix_every": "2"})
+    with pytest.raises(DivergenceError, match=r"round \d+ .*replica \d"):
+        train(cfg, client=dask_client)
+
+
+@pytest.mark.slow
+def test_ipm_k4_matches_single_accuracy(dask_client):
+    common = {"data.source": "synthetic", "train.epochs": 3, "train.lr": 0.01,
+              "augment.policy": "flip"}
+    single = train(_config(**common, **{"train.strategy": "single", "train.replicas": 1,
+                                        "train.batch_size": 32}), client=dask_client)
+    ipm = train(_config(**common, **{"train.strategy": "ipm", "train.replicas": 4,
+                                     "train.batch_size": 32, "average.mix_every": "8"}),
+                client=dask_client)
+    a, b = single.history[-1]["test_acc"], ipm.history[-1]["test_acc"]
+    assert a > 0.3, a  # learns: chance is 0.1
+    assert b >= a - 0.02, (a, b)
