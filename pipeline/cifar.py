@@ -527,7 +527,7 @@ def render(labels: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """Class ids ``(n,) int`` -> images ``(n, 3, 32, 32) uint8`` drawn with ``rng``."""
     n = len(labels)
     background = rng.uniform(0, 255, (n, 3)).astype(np.float32)
-    foreground = _FAMILIES[labels // 5] + 45 * rng.standard_normal((n, 3), np.float32)
+    foreground = _FAMILIES[labels // 5] + rng.normal(0, 45, (n, 3)).astype(np.float32)
     centre = rng.uniform(9, 23, (n, 2)).astype(np.float32)
     radius = rng.uniform(5, 11, n).astype(np.float32)
     mask = np.empty((n, 1, 32, 32), bool)
@@ -536,7 +536,7 @@ def render(labels: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         mask[picked, 0] = draw(_YY - centre[picked, 0, None, None],
                                _XX - centre[picked, 1, None, None], radius[picked, None, None])
     images = np.where(mask, foreground[:, :, None, None], background[:, :, None, None])
-    images += 24 * rng.standard_normal(images.shape, np.float32)
+    images += rng.normal(0, 24, images.shape).astype(np.float32)
     return np.clip(images, 0, 255).round().astype(np.uint8)
 
 

@@ -134,6 +134,7 @@ def parse_synthetic(source: str) -> tuple[int, int] | None:
 
 
 def _plan(source: str, cfg: DataConfig, download: bool) -> _Plan:
+    cfg.validate()
     source = os.fspath(source)
     sizes = parse_synthetic(source)
     if sizes is not None:

@@ -132,6 +132,11 @@ def test_a_file_changed_after_opening_fails_the_load_task(cifar_copy):
         data.dataset_arrays(ds)
 
 
+def test_an_invalid_data_config_names_the_field(cifar_dir):
+    with pytest.raises(ValueError, match="data.label_kind must be fine or coarse"):
+        data.load_dataset(cifar_dir, DataConfig(label_kind="medium"))
+
+
 def test_cifar100_through_the_data_config(tmp_path):
     images, labels = cifar.synthetic_batch(0, "train", 0, 100)
     fine = labels * 10 + np.arange(100) % 10
