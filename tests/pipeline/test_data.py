@@ -11,6 +11,7 @@ import shutil
 import socket
 import tarfile
 import threading
+from pathlib import Path
 
 import dask
 import numpy as np
@@ -188,9 +189,8 @@ def _labels(directory, name="data_batch_2"):
 
 
 def _cut(path, keep=0.5):
-    raw = open(path, "rb").read()
-    with open(path, "wb") as f:
-        f.write(raw[:int(len(raw) * keep)])
+    raw = Path(path).read_bytes()
+    Path(path).write_bytes(raw[:int(len(raw) * keep)])
 
 
 def _tar_of(tmp, members=None, top="cifar-10-batches-py"):
@@ -217,9 +217,9 @@ def _binary(tmp):
 def _binary_record_label(tmp, value):
     directory = _binary(tmp)
     path = os.path.join(directory, "data_batch_4.bin")
-    raw = bytearray(open(path, "rb").read())
+    raw = bytearray(Path(path).read_bytes())
     raw[3073 * 3] = value
-    open(path, "wb").write(bytes(raw))
+    Path(path).write_bytes(bytes(raw))
     return directory
 
 
@@ -314,10 +314,10 @@ BAD = [
 
 
 def _flip(path):
-    raw = bytearray(open(path, "rb").read())
+    raw = bytearray(Path(path).read_bytes())
     for i in range(len(raw) // 2, len(raw) // 2 + 64):
         raw[i] ^= 0xFF
-    open(path, "wb").write(bytes(raw))
+    Path(path).write_bytes(bytes(raw))
     return path
 
 
@@ -394,7 +394,7 @@ def http_root(tmp_path, monkeypatch):
 
 
 def _md5(path) -> str:
-    return hashlib.md5(open(path, "rb").read()).hexdigest()
+    return hashlib.md5(Path(path).read_bytes()).hexdigest()
 
 
 def test_download_with_the_wrong_md5_is_refused_and_not_kept(http_root, tmp_path):
