@@ -44,6 +44,18 @@ def test_fast_numpy_path_equals_gather_path(images, mode):
                                   ops.shift_flip_gather(images, sy, sx, flip, mode))
 
 
+@pytest.mark.parametrize("shape", [(700, 1, 5, 8), (600, 3, 7, 9), (300, 2, 3, 16)])
+def test_fast_path_across_blocks_and_row_widths(shape):
+    # Several BLOCKs; widths that do (8, 16) and do not (9) take the u64 flip.
+    assert shape[0] > ops.BLOCK
+    rng = np.random.default_rng(shape[0])
+    x = rng.integers(0, 256, shape, dtype=np.uint8)
+    sy, sx = rng.integers(-5, 6, shape[0]), rng.integers(-9, 10, shape[0])
+    flip = rng.random(shape[0]) < 0.5
+    np.testing.assert_array_equal(ops.shift_flip(x, sy, sx, flip),
+                                  ops.shift_flip_gather(x, sy, sx, flip, "zero"))
+
+
 def test_cifar_pad_crop_flip_matches_per_image_loop(images):
     rng = np.random.default_rng(6)
     dy, dx = rng.integers(0, 9, len(images)), rng.integers(0, 9, len(images))
