@@ -135,14 +135,17 @@ def _network_allows(host: str = "www.cs.toronto.edu", port: int = 443) -> bool:
 def _demo_data(log) -> str:
     """Real CIFAR-10 from the cache, downloaded if the network allows; else the synthetic set."""
     from pipeline import data
+    from pipeline.config import DataConfig
+    from pipeline.errors import DataError
     try:
-        cached = data.cached(dataset="cifar10")
-        if cached:
-            return cached
-        if _network_allows():
+        return data.resolve_source("cifar10", DataConfig())
+    except DataError:
+        pass
+    if _network_allows():
+        try:
             return data.fetch("cifar10")
-    except Exception as exc:  # a failed download is not fatal for the demo
-        log(f"could not get CIFAR-10 ({exc})")
+        except DataError as exc:  # a failed download is not fatal for the demo
+            log(f"could not download CIFAR-10: {exc}")
     log("notice: CIFAR-10 is not in the cache and cannot be downloaded here; "
         "the demo trains on the synthetic set (5,000 train / 1,000 test images)")
     return "synthetic"
@@ -171,8 +174,8 @@ def _run_demo(args) -> int:
     print(f"images: {out / 'images.png'}, augmentation preview: {out / 'augment.png'}")
     config = Config().replace(**{
         "data.source": source, "model.name": "small-cnn", "train.strategy": "ipm",
-        "train.replicas": 4, "train.batch_size": 32, "train.lr": 0.05, "train.epochs": args.epochs,
-        "average.mix_every": "10", "augment.policy": "cifar", "cluster.workers": 2,
+        "train.replicas": 4, "train.batch_size": 16, "train.lr": 0.02, "train.epochs": args.epochs,
+        "average.mix_every": "5", "augment.policy": "cifar", "cluster.workers": 2,
         "cluster.threads_per_worker": 1, "out": str(out), "seed": 0})
     result = train(config, overwrite=True, log=log)
     print(summary_line(result))

@@ -30,6 +30,9 @@ def curves_figure(history: list[dict], title: str = "") -> Figure:
 
 
 def save_curves(history: list[dict], path: str | Path, title: str = "") -> Path:
+    """Write the figure under a temporary name and rename it: a reader never sees half a PNG."""
     path = Path(path)
-    curves_figure(history, title).savefig(path, dpi=100)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    curves_figure(history, title).savefig(tmp, dpi=100)
+    tmp.replace(path)
     return path

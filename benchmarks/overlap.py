@@ -1,0 +1,87 @@
+"""Benchmark: does augmentation overlap with training? Time per epoch with it, without it, alone.
+
+Seed 003's MultiprocessIterator overlaps loading with compute, so an epoch costs
+max(compute, loading) rather than their sum. Here the driver submits `augment-` tasks
+``--prefetch`` rounds ahead, and they run on a second worker thread while `train-` tasks run.
+Three timings on one LocalCluster (one worker process, two threads):
+
+- train-only: ``--augment none`` (the shard is still gathered, no augmentation op runs);
+- augment-only: the same epoch's `augment-` tasks with the policy, and no training;
+- with augmentation: the full pipeline with the policy.
+
+Target: with / max(train-only, augment-only) <= 1.1.
+
+    .venv/bin/python benchmarks/overlap.py                  # ~2 min on 2 cores
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from _common import emit, local_client, timed  # noqa: I001
+
+
+def config(a, policy):
+    from pipeline import Config
+    return Config().replace(**{
+        "data.source": a.data, "model.name": a.model, "train.strategy": "ipm",
+        "train.replicas": a.replicas, "train.batch_size": a.batch_size, "train.epochs": a.epochs,
+        "average.mix_every": a.mix_every, "augment.policy": policy, "augment.prefetch": a.prefetch,
+        "progress": False, "checkpoint_every": 0, "seed": 0})
+
+
+def augment_only(client, cfg) -> float:
+    """Seconds to run every augment- task of the run, with no training."""
+    from distributed import wait
+
+    from pipeline import graph
+    from pipeline.data import load_dataset
+    from pipeline.schedule import plan_rounds, round_period, steps_per_epoch
+    ds = load_dataset(cfg.data.source)
+    data = graph.persist_dataset(client, ds)
+    wait(data.train_images + data.train_labels)
+    g = graph.RoundGraph(client, data, cfg, n_classes=ds.n_classes, device="@numpy",
+                         train_resources=None, augment_resources=None)
+    t = cfg.train
+    per_epoch = steps_per_epoch(data.n_train, t.replicas, t.batch_size)
+    rounds = plan_rounds(data.n_train, t.replicas, t.batch_size, t.epochs,
+                         round_period(t.strategy, cfg.average.period(per_epoch)), t.strategy)
+    start = time.perf_counter()
+    futures = [g.submit_augment(r, k, t.replicas, t.batch_size) for r in rounds
+               for k in range(t.replicas)]
+    wait(futures)
+    seconds = time.perf_counter() - start
+    del futures
+    return seconds
+
+
+def main(argv=None):
+    from pipeline import train
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="small-cnn")
+    p.add_argument("--data", default="synthetic")
+    p.add_argument("--policy", default="cifar-cutout")
+    p.add_argument("--epochs", type=float, default=2)
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--mix-every", default="10")
+    p.add_argument("--prefetch", type=int, default=2)
+    a = p.parse_args(argv)
+    with local_client(1, 2) as client:
+        quiet = dict(client=client, log=lambda m: None)
+        _, train_s = timed(train, config(a, "none"), **quiet)
+        aug_s = augment_only(client, config(a, a.policy))
+        _, with_s = timed(train, config(a, a.policy), **quiet)
+    per = {k: v / a.epochs for k, v in (("train_only", train_s), ("augment_only", aug_s),
+                                        ("with_augment", with_s))}
+    ratio = per["with_augment"] / max(per["train_only"], per["augment_only"])
+    for name, seconds in per.items():
+        print(f"{name:14} {seconds:8.2f} s/epoch")
+    print(f"ratio with / max(train, augment) = {ratio:.3f} (target <= 1.1)")
+    emit({"bench": "overlap", "ratio": round(ratio, 4),
+          **{f"{k}_s_per_epoch": round(v, 3) for k, v in per.items()}, "policy": a.policy,
+          "prefetch": a.prefetch, "target": 1.1})
+
+
+if __name__ == "__main__":
+    main()
