@@ -1,13 +1,15 @@
-"""Browser test: headless Chromium opens the dashboard of a running job and finds the stage names."""
+"""Browser tests: headless Chromium opens the dashboard of a running job and finds the stage names."""
 from __future__ import annotations
 
+import threading
 import time
 
 import distributed
 import pytest
 
-from pipeline import cluster
+from pipeline import Config, cluster, live
 from pipeline.config import ClusterConfig
+from pipeline.training import train as train_run
 from tests.pipeline.clusters import ARTIFACTS, browser_skip_reason, open_dashboard
 
 STAGES = {"load", "augment", "train", "average", "evaluate"}
@@ -98,6 +100,99 @@ def test_dashboard_shows_the_stages():
     assert STAGES <= spans, f"span tags: {sorted(spans)}"
     assert len(results) == 2
     assert shot.stat().st_size > 10_000  # a real PNG of the page, not an empty one
+
+
+# Values of one column from every Bokeh data source on the page that has it (BokehJS 3: plain data).
+_COLUMN_JS = """(column) => {
+  const values = [];
+  for (const doc of (window.Bokeh && Bokeh.documents) || []) {
+    for (const model of doc.all_models) {
+      const data = model.data;
+      if (data && !(data instanceof Map) && column in data) values.push(...Array.from(data[column]));
+    }
+  }
+  return values;
+}"""
+
+
+def _column(dash, name: str) -> list:
+    return dash.page.evaluate(_COLUMN_JS, name)
+
+
+class _Stop(Exception):
+    """Raised from on_round to end the background run once the browser has seen enough."""
+
+
+def _training_config() -> Config:
+    # ~1 s rounds on 2 cores; epochs is a ceiling: the test stops the run after its checks.
+    return Config().replace(**{
+        "data.source": "synthetic:512:128", "model.name": "small-cnn", "train.strategy": "ipm",
+        "train.replicas": 2, "train.batch_size": 16, "average.mix_every": "4",
+        "train.epochs": 20, "eval_every": 2, "checkpoint_every": 0, "progress": False,
+        "seed": 5})
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+@pytest.mark.skipif(browser_skip_reason() is not None, reason=str(browser_skip_reason()))
+def test_dashboard_of_a_running_training_job():
+    """A real `train` in a background thread: the task stream names its stages, the run's
+    metrics reach the /training page and the /events page while it goes."""
+    stop, seen, errors = threading.Event(), [], []
+
+    def on_round(line):
+        seen.append(line)
+        if stop.is_set():
+            raise _Stop
+
+    with cluster.connect(ClusterConfig(workers=2, threads_per_worker=1)) as client:
+        events = live.dashboard_events(client, run="browser-test")
+        assert events.page_url == cluster.describe(client)["dashboard"].replace("status", "training")
+
+        def run():
+            try:
+                train_run(_training_config(), client, on_round=live.compose(events, on_round))
+            except _Stop:
+                pass
+            except BaseException as exc:  # reported by the main thread
+                errors.append(exc)
+
+        # Open the page first: that starts the scheduler's task-stream recording, so the load-
+        # tasks at the start of the run are in the stream too.
+        with open_dashboard(cluster.describe(client)["dashboard"]) as dash:
+            job = threading.Thread(target=run, name="training-run", daemon=True)
+            job.start()
+            names = dash.wait_for_stages(STAGES, timeout=60)
+            progress = dash.progress_names()
+            running_at_shot = job.is_alive()
+            dash.screenshot(ARTIFACTS / "dashboard-training.png")
+            dash.goto("/" + live.PAGE)
+            rounds = dash.wait_for(lambda: set(_column(dash, "round")), {0, 1, 2}, timeout=60)
+            test_acc = _column(dash, "test_acc")
+            menu = dash.page.locator(f'a[href="{live.PAGE}"]').count()  # "More..." links it
+            dash.screenshot(ARTIFACTS / "dashboard-training-page.png")
+            dash.goto("/events")
+            actions = dash.wait_for(lambda: set(_column(dash, "action")), {live.ACTION},
+                                    timeout=30)
+            dash.goto("/individual-fine-performance-metrics")
+            spans = dash.wait_for(dash.span_tags, STAGES, timeout=30)
+            dash.screenshot(ARTIFACTS / "dashboard-training-spans.png")  # time by stage
+            stop.set()
+            job.join(timeout=60)
+            running_at_end = job.is_alive()
+        published = live.training_events(client, "browser-test")
+    assert not errors, errors
+    assert not running_at_end, "the run did not stop after on_round raised"
+    assert running_at_shot, "the run ended before the screenshot: make it longer"
+    assert STAGES <= names, f"task stream shows {sorted(names)}"
+    assert {"augment", "train", "average"} <= progress, f"progress bars show {sorted(progress)}"
+    assert {0, 1, 2} <= rounds, f"/training shows rounds {sorted(rounds)}"
+    assert test_acc and all(0 <= a <= 1 for a in test_acc)
+    assert menu == 1, "no Training entry in the dashboard's More... menu"
+    assert live.ACTION in actions, f"/events shows {sorted(actions)}"
+    assert STAGES <= spans, f"span tags: {sorted(spans)}"
+    assert [e["round"] for e in published] == [line["round"] for line in seen]
+    assert (ARTIFACTS / "dashboard-training.png").stat().st_size > 10_000
 
 
 def test_browser_tests_skip_only_outside_ci(monkeypatch, tmp_path):
