@@ -25,11 +25,6 @@ MODES = ("zero", "reflect")
 CIFAR10_MEAN = (125.307, 122.961, 113.8575)
 CIFAR10_STD = (62.9925, 62.0925, 66.708)
 
-# The u64 word order reversed by a byte-swapping cast flips a row of 8k bytes in k strided copies:
-# 3.7 ms for 10k 3x32x32 images in cache, against 8.9 ms for ``[..., ::-1]`` (measured here).
-_SWAPPED_U64 = np.dtype(np.uint64).newbyteorder("S")
-
-
 def check_images(images, name: str = "images") -> None:
     """Raise ValueError unless ``images`` is a (N, C, H, W) uint8 array.
 
@@ -169,19 +164,6 @@ def _groups(sy: np.ndarray, sx: np.ndarray, flip: np.ndarray):
         yield idx, int(sy[idx[0]]), int(sx[idx[0]]), bool(flip[idx[0]])
 
 
-def _flip_into(slab: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """Left-right mirror of a contiguous (k, C, H, W) uint8 slab into ``out`` (same shape)."""
-    w = slab.shape[-1]
-    if w % 8:
-        np.copyto(out, slab[..., ::-1])
-        return out
-    src = slab.view(_SWAPPED_U64).reshape(-1, w // 8)
-    dst = out.view(np.uint64).reshape(-1, w // 8)
-    for j in range(w // 8):  # word j <- byte-swapped word (k-1-j): the row reversed
-        np.copyto(dst[:, j], src[:, w // 8 - 1 - j], casting="unsafe")
-    return out
-
-
 def _keep_table(sy: np.ndarray, sx: np.ndarray, h: int, w: int):
     """Zero-fill masks: (K, H*W) uint8 (255 where pixel (y, x) reads inside the image, else 0),
     one row per distinct shift, and (N,) the row of each image."""
@@ -194,9 +176,17 @@ def _keep_table(sy: np.ndarray, sx: np.ndarray, h: int, w: int):
     return (inside * np.uint8(255)).reshape(len(shifts), h * w), row.reshape(-1)
 
 
-# Images per block of the zero-fill kernel: a block's slab, masks and flip scratch (~1.8 MB) stay
-# in the 2 MB L2 of this machine's cores. 256 beat 128 and 512 at N = 1k, 5k and 20k.
+# Images per block of the zero-fill kernel: a block's slab and masks (~1 MB) stay in the 2 MB L2
+# of this machine's cores. 256 beat 128 and 512 at N = 1k, 5k and 20k.
 BLOCK = 256
+
+
+def _mirror_view(out: np.ndarray):
+    """(N, C, H, W/8) uint64 view of ``out`` with the word order of each row reversed, or None
+    when W is not a multiple of 8. Writing byte-swapped words through it mirrors the rows: for 10k
+    3x32x32 images that is ~2x cheaper than a ``[..., ::-1]`` copy (measured here)."""
+    n, c, h, w = out.shape
+    return out.view(np.uint64).reshape(n, c, h, w // 8)[..., ::-1] if w % 8 == 0 else None
 
 
 def _shift_flip_zero_numpy(images, sy, sx, flip):
@@ -204,8 +194,8 @@ def _shift_flip_zero_numpy(images, sy, sx, flip):
 
     A 2-D shift of an image is a 1-D shift of its flat bytes by sy*W + sx, up to the rows and
     wrapped columns that the keep mask clears; so one fancy index on a sliding-window view of the
-    flat batch gathers a whole block already shifted. Each block is gathered unflipped-first, so
-    its flipped images are contiguous for `_flip_into`; then both parts are scattered to ``out``.
+    flat batch gathers a whole block already shifted. Each block is gathered unflipped-first; the
+    flipped tail is mirrored on its way out (`_mirror_view`).
     """
     n, c, h, w = images.shape
     size = c * h * w
@@ -216,8 +206,8 @@ def _shift_flip_zero_numpy(images, sy, sx, flip):
     start[edge] = 0
     table, row = _keep_table(sy, sx, h, w)
     out = np.empty_like(images)
+    mirror = _mirror_view(out)
     keep = np.empty((min(BLOCK, n), h * w), np.uint8)
-    scratch = np.empty((min(BLOCK, n), c, h, w), np.uint8)
     for b0 in range(0, n, BLOCK):
         ids = b0 + np.argsort(flip[b0:b0 + BLOCK], kind="stable")  # unflipped first
         k, m = len(ids), len(ids) - int(flip[b0:b0 + BLOCK].sum())
@@ -226,8 +216,11 @@ def _shift_flip_zero_numpy(images, sy, sx, flip):
                        out=slab)
         slab = slab.reshape(k, c, h, w)
         out[ids[:m]] = slab[:m]
-        if m < k:
-            out[ids[m:]] = _flip_into(slab[m:], scratch[:k - m])
+        if m < k and mirror is not None:
+            words = slab[m:].view(np.uint64)
+            mirror[ids[m:]] = words.byteswap(inplace=True)  # bytes of each word reversed
+        elif m < k:
+            out[ids[m:]] = slab[m:, ..., ::-1]
     if edge.any():
         e = np.flatnonzero(edge)
         out[e] = shift_flip_gather(images[e], sy[e], sx[e], flip[e], "zero")
@@ -258,7 +251,7 @@ def _reflect_group(images, idx, a: int, b: int, f: bool):
     py, px = abs(a), abs(b)
     padded = np.pad(np.take(images, idx, axis=0), ((0, 0), (0, 0), (py, py), (px, px)), "reflect")
     window = padded[:, :, py + a:py + a + h, px + b:px + b + w]
-    return _flip_into(np.ascontiguousarray(window), np.empty_like(window)) if f else window
+    return window[..., ::-1] if f else window
 
 
 # ---------------------------------------------------------------------------------------------
