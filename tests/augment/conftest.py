@@ -6,7 +6,8 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
-settings.register_profile("augment", max_examples=100, deadline=None, derandomize=True)
+settings.register_profile("augment", max_examples=100, deadline=None, derandomize=True,
+                          database=None)  # same examples every run, nothing replayed from disk
 AUGMENT = settings.get_profile("augment")
 
 
