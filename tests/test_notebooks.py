@@ -1,0 +1,100 @@
+"""The notebooks: committed clean (no outputs), and each executes top to bottom in a fresh kernel."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+EXECUTED = REPO / "test-artifacts" / "notebooks"  # executed copies, for looking at after CI
+TIMEOUT_S = 300  # per cell; each notebook takes ~1-2 minutes on 2 cores
+NAMES = ["01-quickstart.ipynb", "02-strategies.ipynb", "03-cluster.ipynb"]
+
+
+def test_the_three_notebooks_exist():
+    assert [p.name for p in NOTEBOOKS] == NAMES
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_committed_notebooks_are_clean(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata.kernelspec.name == "python3"
+    assert nb.cells[0].cell_type == "markdown"  # each opens by saying what it does
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            assert cell.outputs == [], f"cell {i} of {path.name} has outputs: clear them"
+            assert cell.execution_count is None, f"cell {i} of {path.name} has an execution count"
+        assert "execution" not in cell.metadata, f"cell {i} of {path.name} has timing metadata"
+
+
+def _kernel_env(monkeypatch) -> None:
+    # The kernel (and the LocalCluster workers it spawns) inherit this process's environment.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO),
+                                                                   os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("MPLBACKEND", "Agg")  # the notebooks switch to inline; never a GUI
+    monkeypatch.delenv("DASK_SCHEDULER_ADDRESS", raising=False)  # 03 starts its own cluster
+
+
+def execute(path: Path, workdir: Path) -> nbformat.NotebookNode:
+    """Run `path` top to bottom in a fresh python3 kernel with `workdir` as its cwd; raise
+    nbclient's CellExecutionError on the first failing cell."""
+    import nbclient
+    nb = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=TIMEOUT_S, kernel_name="python3",
+                                     resources={"metadata": {"path": str(workdir)}})
+    try:
+        client.execute()
+    finally:
+        EXECUTED.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, EXECUTED / path.name)
+    return nb
+
+
+def _outputs(nb, kind: str) -> list:
+    return [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
+            if o.output_type == kind or kind in o.get("data", {})]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * TIMEOUT_S)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_executes(path, tmp_path, monkeypatch):
+    _kernel_env(monkeypatch)
+    start = time.perf_counter()
+    nb = execute(path, tmp_path)
+    seconds = time.perf_counter() - start
+    assert not _outputs(nb, "error")
+    assert all(c.execution_count for c in nb.cells if c.cell_type == "code")
+    images = _outputs(nb, "image/png")
+    assert images, "no figure was shown"
+    stderr = "".join(o.text for o in _outputs(nb, "stream") if o.name == "stderr")
+    assert "Traceback" not in stderr, stderr[-3000:]
+    if path.name == "01-quickstart.ipynb":
+        assert len(images) >= 4  # grid, augmentation preview, live plot, curves
+    if path.name == "03-cluster.ipynb":
+        assert (tmp_path / "training-report.html").stat().st_size > 50_000
+    print(f"{path.name}: {seconds:.0f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.timeout(3 * TIMEOUT_S)
+def test_cluster_notebook_on_a_dask_scheduler(tmp_path, monkeypatch):
+    """03 with $DASK_SCHEDULER_ADDRESS: a real `dask scheduler` and two `dask worker --resources
+    CPU=1` processes (the recipe in its first cell); the /training page works there too."""
+    from tests.pipeline.clusters import subprocess_cluster
+    _kernel_env(monkeypatch)
+    with subprocess_cluster(n_workers=2, resources={"CPU": 1}) as cluster:
+        monkeypatch.setenv("DASK_SCHEDULER_ADDRESS", cluster.address)
+        nb = execute(REPO / "notebooks" / "03-cluster.ipynb", tmp_path)
+    stdout = "".join(o.text for o in _outputs(nb, "stream") if o.name == "stdout")
+    assert f"connected to {cluster.address}: 2 workers" in stdout
+    assert stdout.count("1 thread(s), resources CPU=1") == 2
+    html = "".join(o.data["text/html"] for o in _outputs(nb, "text/html"))
+    assert cluster.dashboard.replace("/status", "/training") in html
+    assert (tmp_path / "training-report.html").stat().st_size > 50_000
