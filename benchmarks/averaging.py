@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 from dask.base import tokenize  # noqa: E402
-from distributed import Client, LocalCluster, wait  # noqa: E402
+from distributed import Client, LocalCluster, get_task_stream, wait  # noqa: E402
 
 from pipeline import averaging  # noqa: E402
 from pipeline.reduction import tree_plan, tree_reduce  # noqa: E402
@@ -71,21 +71,32 @@ def measure_p2p(client, workers, n_bytes, tag) -> float:
     return time.perf_counter() - start
 
 
-def measure_tree(client, workers, n_bytes, fan_in, tag) -> tuple[float, float]:
-    """(reduce, allreduce) seconds for K = len(workers) states already on distinct workers."""
+def measure_tree(client, workers, n_bytes, fan_in, tag) -> tuple[float, float, float, float]:
+    """(reduce, allreduce, root transfer, root compute) seconds for K = len(workers) states
+    already on distinct workers; the last two from the scheduler's task stream."""
     token = tokenize(tag, "tree")[:8]
     states = [client.submit(make_state, n_bytes, float(i), workers=[w], pure=False,
                             key=("make_state-" + token, i)) for i, w in enumerate(workers)]
     wait(states)
-    start = time.perf_counter()
-    root = tree_reduce(client, states, averaging.combine, averaging.finalize, fan_in=fan_in,
-                       token=token, combine_finalize=averaging.combine_finalize)
-    copies = [client.submit(averaging.nbytes, root, workers=[w], pure=False,
-                            key=("nbytes-" + token, i)) for i, w in enumerate(workers)]
-    wait(root)
-    reduce_s = time.perf_counter() - start
-    wait(copies)
-    return reduce_s, time.perf_counter() - start
+    with get_task_stream(client) as stream:
+        start = time.perf_counter()
+        root = tree_reduce(client, states, averaging.combine, averaging.finalize,
+                           fan_in=fan_in, token=token,
+                           combine_finalize=averaging.combine_finalize)
+        copies = [client.submit(averaging.nbytes, root, workers=[w], pure=False,
+                                key=("nbytes-" + token, i)) for i, w in enumerate(workers)]
+        wait(root)
+        reduce_s = time.perf_counter() - start
+        wait(copies)
+        all_s = time.perf_counter() - start
+    spans = {"transfer": [], "compute": []}  # concurrent fetches overlap: take their extent
+    for task in stream.data:
+        if task["key"] == root.key:
+            for span in task["startstops"]:
+                spans.get(span["action"], []).append((span["start"], span["stop"]))
+    extent = {a: max(e for _, e in s) - min(b for b, _ in s) if s else 0.0
+              for a, s in spans.items()}
+    return reduce_s, all_s, extent["transfer"], extent["compute"]
 
 
 def local_costs(n_bytes: int, repeats: int) -> dict[str, float]:
@@ -104,29 +115,34 @@ def local_costs(n_bytes: int, repeats: int) -> dict[str, float]:
 def run_cluster(k, sizes, fan_ins, repeats):
     """Rows of measurements for one LocalCluster of k workers."""
     rows = []
-    with LocalCluster(n_workers=k, threads_per_worker=1, processes=True,
+    # memory_limit=0: no spilling or pausing; a paused worker would stall a tree level for
+    # reasons that are not transfer or averaging.
+    with LocalCluster(n_workers=k, threads_per_worker=1, processes=True, memory_limit=0,
                       dashboard_address=":0", silence_logs=logging.ERROR) as cluster, \
             Client(cluster) as client:
         workers = sorted(client.scheduler_info()["workers"])
         for size in sizes:
             n_bytes = int(size * MB)
             measure_p2p(client, workers, n_bytes, ("warm", k, size))  # first touch, discarded
-            measure_tree(client, workers, n_bytes, fan_ins[0] if fan_ins[0] else k,
-                         ("warm", k, size))
-            p2p = min(measure_p2p(client, workers, n_bytes, (k, size, r))
-                      for r in range(repeats))
-            for fan_in in sorted({f or k for f in fan_ins}):
-                fan_in = min(fan_in, max(k, 2))
-                runs = [measure_tree(client, workers, n_bytes, fan_in, (k, size, fan_in, r))
-                        for r in range(repeats)]
-                reduce_s = min(r for r, _ in runs)
-                all_s = min(a for _, a in runs)
-                L = averaging.nbytes(make_state(n_bytes, 0.0))
-                p2p_bw, moved = L / p2p, 2 * L * (k - 1) / k
+            measure_tree(client, workers, n_bytes, min(fan_ins[0] or k, k), ("warm", k, size))
+            fans = sorted({min(f or k, k) for f in fan_ins})
+            p2p_runs, tree_runs = [], {f: [] for f in fans}
+            for r in range(repeats):  # interleaved, so p2p and trees see the same load
+                p2p_runs.append(measure_p2p(client, workers, n_bytes, (k, size, r)))
+                for fan_in in fans:
+                    tree_runs[fan_in].append(
+                        measure_tree(client, workers, n_bytes, fan_in, (k, size, fan_in, r)))
+            p2p = min(p2p_runs)
+            L = averaging.nbytes(make_state(n_bytes, 0.0))
+            p2p_bw, moved = L / p2p, 2 * L * (k - 1) / k
+            for fan_in, runs in tree_runs.items():
+                best = min(runs)  # the least disturbed run, by reduce time
+                all_s = min(run[1] for run in runs)
                 rows.append(dict(size_mb=size, k=k, fan_in=fan_in,
                                  depth=len(tree_plan(k, fan_in)), bytes=L, p2p_s=p2p,
-                                 p2p_gbps=p2p_bw / 1e9, reduce_s=reduce_s,
-                                 reduce_fraction=moved / reduce_s / p2p_bw,
+                                 p2p_gbps=p2p_bw / 1e9, reduce_s=best[0],
+                                 reduce_fraction=moved / best[0] / p2p_bw,
+                                 root_transfer_s=best[2], root_compute_s=best[3],
                                  allreduce_s=all_s, allreduce_fraction=moved / all_s / p2p_bw))
     return rows
 
@@ -143,11 +159,14 @@ def fit_link(rows) -> dict[str, float]:
 
 
 def print_table(rows) -> None:
-    print(f"{'MB':>6} {'K':>2} {'fan':>3} {'lvls':>4} {'p2p GB/s':>8} {'reduce s':>9} "
+    print(f"{'MB':>6} {'K':>2} {'fan':>3} {'lvls':>4} {'p2p s':>7} {'p2p GB/s':>8} "
+          f"{'reduce s':>9} {'root xfer':>9} {'root avg':>8} "
           f"{'frac':>5} {'allred s':>9} {'frac':>5} {'bound':>5}")
     for r in rows:
         print(f"{r['size_mb']:>6g} {r['k']:>2} {r['fan_in']:>3} {r['depth']:>4} "
-              f"{r['p2p_gbps']:>8.2f} {r['reduce_s']:>9.4f} {r['reduce_fraction']:>5.2f} "
+              f"{r['p2p_s']:>7.4f} {r['p2p_gbps']:>8.2f} {r['reduce_s']:>9.4f} "
+              f"{r['root_transfer_s']:>9.4f} {r['root_compute_s']:>8.4f} "
+              f"{r['reduce_fraction']:>5.2f} "
               f"{r['allreduce_s']:>9.4f} {r['allreduce_fraction']:>5.2f} "
               f"{single_host_bound(r['k']):>5.2f}")
 

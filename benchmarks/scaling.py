@@ -87,8 +87,8 @@ def plot(path: Path) -> None:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--plot", default=str(REPO / "docs" / "scaling.png"),
-                        help="where the PNG goes ('' for none)")
+    parser.add_argument("--plot", default="docs/scaling.png",
+                        help="where the PNG goes, relative to the repository ('' for none)")
     args = parser.parse_args(argv)
 
     check = scaling.seed001_check()
@@ -103,7 +103,7 @@ def main(argv=None) -> dict:
     for name in LINKS:
         print(table(name) + "\n")
     if args.plot:
-        plot(Path(args.plot))
+        plot(REPO / args.plot)
         print(f"plot: {args.plot}")
     at = {name: {f"{s} ({a})": round(predict(link, s, a, 256), 2) for a in ALGOS for s in SERIES}
           for name, link in LINKS.items()}

@@ -91,14 +91,16 @@ class Workload:
         return self.compute_s_per_sample * self.batch_size
 
 
-# Calibrated on this machine (2-core Xeon VM, one-thread workers) by
-#   .venv/bin/python benchmarks/averaging.py
-# (its JSON "calibration"): averaging.combine of two 100 MB float32 states, 4.6e-10 s per
-# input byte; finalize 7.6e-10 s per output byte; a one-task transfer between two local worker
-# processes 11 ms + L / 1.6 GB/s. The 11 ms is Dask's per-task round trip (tau).
-THIS_MACHINE = LocalCosts(reduce_s_per_byte=4.6e-10, finalize_s_per_byte=7.6e-10,
-                          task_s=0.011)
-LOOPBACK = Link(bandwidth=1.6e9, latency=0.0)  # worker to worker on this host, same run
+# Calibrated on this machine (2-core Xeon VM shared with other jobs, load average 7-9; one-
+# thread workers) by
+#   .venv/bin/python benchmarks/averaging.py --repeats 5
+# (its JSON "calibration", best of 5): averaging.combine of two 100 MB float32 states costs
+# 4.5e-10 s per input byte, finalize 7.3e-10 s per output byte; a one-task transfer between
+# two local worker processes costs 15 ms + L / 1.08 GB/s, the 15 ms being Dask's per-task
+# round trip (tau).
+THIS_MACHINE = LocalCosts(reduce_s_per_byte=4.5e-10, finalize_s_per_byte=7.3e-10,
+                          task_s=0.015)
+LOOPBACK = Link(bandwidth=1.08e9, latency=0.0)  # worker to worker on this host, same run
 
 # Links for the predictions: effective bandwidth is 80% of the line rate, as seed 001 measured
 # 8 of 10 Gb/s point to point; latencies are typical of TCP on 10 GbE and of RDMA at 100 Gb/s.
