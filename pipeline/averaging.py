@@ -215,7 +215,8 @@ def finalize(partial: Partial, like: Mapping | None = None) -> dict[str, np.ndar
     recorded in the partial. Non-float entries come from ``partial.first``. Keys come out in
     the order of ``like`` (or of the sums, then the non-float entries).
 
-    >>> p = combine([leaf({"/W": np.array([1.0], np.float16)}), leaf({"/W": np.array([2.0], np.float16)})])
+    >>> half = [{"/W": np.array([v], np.float16)} for v in (1.0, 2.0)]
+    >>> p = combine([leaf(s) for s in half])
     >>> finalize(p)["/W"], finalize(p, like={"/W": np.float64})["/W"].dtype
     (array([1.5], dtype=float16), dtype('float64'))
     """

@@ -1,4 +1,4 @@
-"""Cost model of a data-parallel training round: compute steps plus averaging traffic, and its speedup.
+"""Cost model of a data-parallel round (compute steps plus averaging traffic) and its speedup.
 
 Everything is plain arithmetic on a few measured constants (alpha-beta model: a message of
 ``b`` bytes over a link costs ``latency + b / bandwidth``). Symbols used below:
