@@ -120,6 +120,26 @@ def verify(path: Path) -> dict:
     return meta
 
 
+def remove_temporaries(out: str | Path) -> list[str]:
+    """Delete what a writer killed mid-write left behind: the hidden ``.NAME.*.tmp*`` files of
+    ``write_atomic`` in ``out`` and the ``.round-*.tmp`` directories of ``save`` in
+    ``out/checkpoints``. Returns the names removed, sorted.
+
+    >>> import tempfile; d = Path(tempfile.mkdtemp()); (d / ".metrics.jsonl.x1.tmp").touch()
+    >>> remove_temporaries(d), sorted(p.name for p in d.iterdir())
+    (['.metrics.jsonl.x1.tmp'], [])
+    """
+    removed = []
+    for directory in (Path(out), Path(out) / "checkpoints"):
+        for path in directory.glob(".*.tmp*"):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return sorted(removed)
+
+
 def load_latest(out: str | Path, warn=None) -> tuple[HostState, dict] | None:
     """The newest checkpoint that verifies, falling back to older ones; None if there is none."""
     root = Path(out) / "checkpoints"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import sys
 import time
@@ -113,6 +114,45 @@ def _prepare_out(config: Config, resume: bool, overwrite: bool) -> Path | None:
 def _round_of(key) -> int | None:
     match = re.match(r"\('?\"?[a-z_]+-[0-9a-f]{8}'?\"?, (\d+)", str(key))
     return int(match.group(1)) if match else None
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line (distributed's messages carry newlines and hints)."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class _ConnectionLossFilter(logging.Filter):
+    """Drops distributed's own reports of a closed scheduler connection (tracebacks of
+    CommClosedError, a cancelled reconnect): the driver reports a lost scheduler in one line."""
+
+    keep = False  # stay installed after the run: the client's close still logs the loss
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        import asyncio
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, (OSError, asyncio.CancelledError)):  # CommClosedError is an OSError
+            return False
+        return not str(record.msg).startswith(("Batched Comm Closed", "Failed to reconnect"))
+
+
+_QUIETED = ("distributed.batched", "distributed.client", "distributed.core", "distributed.utils",
+            "distributed.comm.tcp")
+
+
+@contextlib.contextmanager
+def _quiet_connection_loss():
+    """Install a ``_ConnectionLossFilter`` on distributed's connection loggers for a run."""
+    quiet = _ConnectionLossFilter()
+    loggers = [logging.getLogger(name) for name in _QUIETED]
+    for logger in loggers:
+        logger.addFilter(quiet)
+    try:
+        yield quiet
+    finally:
+        if not quiet.keep:
+            for logger in loggers:
+                logger.removeFilter(quiet)
 
 
 class _Run:
@@ -318,47 +358,69 @@ class _Run:
     # ---- the loop ------------------------------------------------------------------------
     def run(self, resume: bool) -> TrainOutput:
         from pipeline import averaging, graph
+        # A checkpoint that does not fit is refused before the data is loaded and sent out.
+        state = self._resume_state() if resume else None
         self._setup()
-        state = self._resume_state() if resume else self._initial_state()
+        state = state or self._initial_state()
         self.payload_bytes = averaging.nbytes(state.params[0])
         if self.out is not None:
             checkpoint.write_atomic(self.out / "config.json", self.config.to_json())
         if resume:
             self._truncate_metrics(state.round)
+            for name in checkpoint.remove_temporaries(self.out):  # a killed driver's half-writes
+                self.log(f"removed {name}, left by an interrupted write")
         self.start = self._last_collect = time.perf_counter()
         self._first_collected = state.round + 1
         progress = self._progress(state.round + 1)
-        retries = 0
         self._anchor = state
-        with graph.task_stream(self.client) as stream:
-            while True:
-                try:
-                    state = self._run_from(self._anchor, stream, progress)
-                    break
-                except DivergenceError:
-                    raise
-                except Exception as exc:
-                    if not self._recoverable(exc) or retries >= _MAX_RETRIES:
-                        raise self._fatal(exc) from exc
-                    retries += 1
-                    self.log(f"lost work ({type(exc).__name__}: {exc}); replaying from round "
-                             f"{self._anchor.round + 1}")
+        self._attempt: dict = {}
+        with graph.task_stream(self.client) as stream, _quiet_connection_loss() as quiet:
+            state = self._run_recovering(stream, progress, quiet)
         progress.close()
         return self._finish(state)
+
+    def _run_recovering(self, stream, progress, quiet: "_ConnectionLossFilter") -> HostState:
+        """``_run_from`` the last anchor until the run is done; replay it after lost work.
+
+        Gives up on a lost scheduler, on an error that is not lost work, and after
+        ``_MAX_RETRIES`` failures in a row without a new anchor.
+        """
+        retries = 0
+        while True:
+            anchor = self._anchor
+            try:
+                return self._run_from(anchor, stream, progress)
+            except DivergenceError:
+                self._forget_attempt()
+                raise
+            except Exception as exc:
+                retries = 1 if self._anchor is not anchor else retries + 1
+                if not self._recoverable(exc) or retries > _MAX_RETRIES:
+                    fatal = self._fatal(exc, retries)
+                    self._forget_attempt(exc if fatal is not exc else None)
+                    if fatal is exc:
+                        raise
+                    quiet.keep = self.client.status != "running"  # its close logs the loss
+                    raise fatal from exc
+                self.log(f"lost work in round {self._collecting_round()} "
+                         f"({_one_line(exc)}); replaying from round {self._anchor.round + 1}")
+                self._forget_attempt(exc)
+                self._await_workers()
 
     def _run_from(self, anchor: HostState, stream, progress) -> HostState:
         """Run the rounds after ``anchor``; returns the final host state. Raises on lost work,
         after which ``run`` replays from the last anchor (a checkpoint, or the start)."""
-        live = self._scatter(anchor)
         augments: dict = {}
-        self._first_unsubmitted_aug = anchor.round + 1
         pending: list[_Pending] = []
+        self._attempt = attempt = dict(augments=augments, pending=pending)  # cancelled on a fault
+        live = attempt["live"] = self._scatter(anchor)
+        self._first_unsubmitted_aug = anchor.round + 1
         prefetch = self.config.augment.prefetch
         state = anchor
         for rnd in self.rounds[anchor.round + 1:]:
             self._submit_augment(rnd.index + prefetch, augments)
             pending.append(self._submit_round(rnd, live, augments))
-            live = pending[-1].live
+            live = attempt["live"] = pending[-1].live
             if len(pending) > 1:
                 self._emit(self._collect(pending.pop(0), stream), progress)
             if self._checkpoints(rnd) or rnd.index == len(self.rounds) - 1:
@@ -366,7 +428,7 @@ class _Run:
                 state = self._gather_state(rnd.index, live)
                 if self._checkpoints(rnd):
                     self._save_checkpoint(state)
-                live = self._scatter(state)  # cut lineage: later rounds hang off this root
+                live = attempt["live"] = self._scatter(state)  # cut lineage: a fresh root
                 self._anchor = state
         return state
 
@@ -390,20 +452,88 @@ class _Run:
         return tqdm(total=len(self.rounds), initial=initial, unit="round",
                     disable=not self.config.progress, file=sys.stderr, dynamic_ncols=True)
 
+    # ---- recovery -----------------------------------------------------------------------
     def _recoverable(self, exc: BaseException) -> bool:
-        import distributed
-        from distributed.client import FutureCancelledError
-        if self.client.status not in ("running", "connecting"):
-            return False
-        lost = (distributed.KilledWorker, FutureCancelledError, OSError,
-                distributed.comm.core.CommClosedError)
-        return isinstance(exc, lost) or "lost" in str(exc).lower()
+        """Whether ``exc`` is work lost with a worker, which a replay from the last anchor redoes.
 
-    def _fatal(self, exc: BaseException) -> BaseException:
-        if self.client.status not in ("running", "connecting") or isinstance(exc, OSError):
-            where = f"; resume with --resume {self.out}" if self.out else ""
-            return ClusterError(f"lost the cluster ({type(exc).__name__}: {exc}){where}")
-        return exc
+        Distributed recomputes a lost key from its lineage by itself; what reaches the driver is
+        what it cannot: a task that killed its workers (KilledWorker), keys forgotten because a
+        scattered root (the anchor's state) or a dependency died with its worker
+        (FutureCancelledError "already forgotten" / "lost dependencies"), a scatter to a worker
+        that just died (OSError). A lost scheduler is never recoverable: it held every key.
+        """
+        import distributed
+        from distributed.client import FutureCancelledError, FuturesCancelledError
+        lost = (distributed.KilledWorker, FutureCancelledError, FuturesCancelledError, OSError)
+        return isinstance(exc, lost) and self._scheduler_alive()
+
+    def _scheduler_alive(self, timeout: float = 5.0) -> bool:
+        """The client is connected and the scheduler answers a ping within ``timeout`` s."""
+        if self.client.status != "running":
+            return False
+        try:
+            self.client.sync(self.client.scheduler.identity, callback_timeout=timeout)
+        except Exception:  # refused, closed, timed out: gone
+            return False
+        return self.client.status == "running"
+
+    def _fatal(self, exc: BaseException, retries: int = 0) -> BaseException:
+        """The error that ends the run: one line that says where it stopped and how to resume."""
+        import distributed
+        from distributed.client import FutureCancelledError, FuturesCancelledError
+        cluster_kind = (distributed.KilledWorker, FutureCancelledError, FuturesCancelledError,
+                        OSError)
+        if not isinstance(exc, cluster_kind):
+            return exc  # a bug or a user error: the caller sees it unchanged
+        if self.out is None:
+            where = "; no --out was given, so there is nothing to resume"
+        elif self._anchor.round >= 0 and (self.out / "checkpoints").is_dir():
+            where = (f"; the last checkpoint is round {self._anchor.round}: resume with "
+                     f"`python -m pipeline train --resume {self.out}`")
+        else:
+            where = f"; no checkpoint yet: start again with --out {self.out} --overwrite"
+        if not self._scheduler_alive():
+            address = getattr(self.client.scheduler, "address", None) or "?"
+            hint = " (and --scheduler ADDR for a new scheduler)" if self.out is not None else ""
+            return ClusterError(f"lost the scheduler {address} while waiting for round "
+                                f"{self._collecting_round()}{where}{hint}")
+        return ClusterError(f"gave up after losing work {retries} times in a row, last in round "
+                            f"{self._collecting_round()} ({_one_line(exc)}){where}")
+
+    def _collecting_round(self) -> int:
+        """The round the driver was waiting for: one after the last reported."""
+        return self.history[-1]["round"] + 1 if self.history else self._anchor.round + 1
+
+    def _forget_attempt(self, exc: BaseException | None = None) -> None:
+        """Cancel every future of the failed attempt and key the replay under a fresh token.
+
+        Replayed tasks get new keys, so they never meet a stale key the scheduler is still
+        forgetting (re-submitting a key being cancelled leaves its future cancelled or hanging).
+        The traceback's frames are cleared too: their locals hold futures of the attempt.
+        """
+        import traceback
+        import uuid
+        import distributed
+        stale = distributed.futures_of(list(self._attempt.values()))
+        self._attempt = {}
+        if exc is not None and exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+        if stale and self._scheduler_alive():
+            with contextlib.suppress(Exception):  # best effort: they are released anyway
+                self.client.cancel(stale, reason="replaying from the last anchor")
+        del stale
+        self.graph.token = uuid.uuid4().hex[:8]
+
+    def _await_workers(self) -> None:
+        """Before a replay: at least one worker, and the train resource if the run needs one."""
+        from pipeline import cluster
+        timeout = self.config.cluster.connect_timeout
+        try:
+            cluster.require_workers(self.client, 1, timeout)
+            for name in self.graph.train_resources or ():
+                cluster.require_resource(self.client, name, timeout)
+        except ClusterError as err:
+            raise ClusterError(f"cannot replay round {self._anchor.round + 1}: {err}") from None
 
     # ---- checkpoints and outputs ---------------------------------------------------------
     def _final_params(self, state: HostState) -> dict:
