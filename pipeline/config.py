@@ -96,7 +96,8 @@ _MIX_RE = re.compile(r"^(\d+)(ep)?$")
 @dataclass(frozen=True)
 class AverageConfig:
     mix_every: str = "10"  # ipm period H: "10" = 10 local steps, "1ep" = one epoch
-    fan_in: int = 2  # children per average- task in the reduction tree (dask's split_every)
+    fan_in: int = 4  # children per average- task in the reduction tree (dask's split_every);
+    #                  fewer levels move fewer float64 partial sums (benchmarks/averaging.py)
     outer_lr: float = 1.0  # outer optimizer on the averaged update (DiLoCo); 1 = plain averaging
     outer_momentum: float = 0.0  # Nesterov momentum of the outer optimizer; 0 = plain averaging
     optimizer_state: str = "keep"  # keep | reset | average the replicas' optimizer state at a mix

@@ -50,13 +50,12 @@ def pick(result, field: int):
     return result[field]
 
 
-def average_outer(previous: dict, partial, momentum_buf: dict | None, lr: float,
+def average_outer(previous: dict, mean: dict, momentum_buf: dict | None, lr: float,
                   momentum: float) -> tuple:
-    """Finish a mix: the replicas' mean, then the outer optimizer step (plain averaging when
-    lr=1, momentum=0). Returns ``(params, momentum_buffer)``."""
-    mean = averaging.finalize(partial)
-    if lr == 1.0 and momentum == 0.0:
-        return mean, None
+    """The outer optimizer step on the replicas' mean (DiLoCo's outer Nesterov momentum).
+
+    Returns ``(params, momentum_buffer)``; averaged optimizer state ("opt/...") passes through.
+    """
     params = {k: v for k, v in mean.items() if not k.startswith("opt/")}
     new, buf = averaging.outer_step({k: previous[k] for k in params}, params, momentum_buf, lr,
                                     momentum)
@@ -145,28 +144,32 @@ class RoundGraph:
             return tuple(self._submit(pick, fut, i, key=self.key("train", rnd.index, replica, name))
                          for i, name in enumerate(("payload", "opt", "metrics")))
 
+    def _tree_mean(self, rnd: Round, payloads: list):
+        """The replicas' mean (float64 sums, divided once at the root, cast back), as a tree of
+        ``average-`` tasks grouped in replica order with ``average.fan_in`` children each."""
+        return tree_reduce(self.client, payloads, averaging.combine, averaging.finalize,
+                           fan_in=self.config.average.fan_in, name="average", token=self.token,
+                           coords=(rnd.index,), leaf=_average_leaf,
+                           combine_finalize=averaging.combine_finalize)
+
     def submit_average(self, rnd: Round, payloads: list, previous, momentum_buf):
-        """Tree-average the replicas' payloads (fan-in from the config, replica order), then the
-        outer step. Returns futures ``(params, momentum_buffer)``."""
+        """Average the replicas' payloads, then the outer step unless it is plain averaging
+        (outer lr 1, momentum 0). Returns futures ``(params, momentum_buffer or None)``."""
         avg = self.config.average
         with distributed.span("average"):
-            partial = tree_reduce(self.client, payloads, averaging.combine, _identity,
-                                  fan_in=avg.fan_in, name="average", token=self.token,
-                                  coords=(rnd.index,), leaf=_average_leaf)
-            fut = self._submit(average_outer, previous, partial, momentum_buf, avg.outer_lr,
+            mean = self._tree_mean(rnd, payloads)
+            if avg.outer_lr == 1.0 and avg.outer_momentum == 0.0:
+                return mean, None
+            fut = self._submit(average_outer, previous, mean, momentum_buf, avg.outer_lr,
                                avg.outer_momentum, key=self.key("average", rnd.index, "outer"))
             return tuple(self._submit(pick, fut, i, key=self.key("average", rnd.index, name))
                          for i, name in enumerate(("params", "momentum")))
 
     def submit_gradient_update(self, rnd: Round, payloads: list, params, opt,
                                spec: tasks.StepSpec):
-        """Sum the replicas' gradients in a tree, one optimizer update. Returns (params, opt)."""
+        """Average the replicas' gradients in a tree, one optimizer update. Returns (params, opt)."""
         with distributed.span("average"):
-            partial = tree_reduce(self.client, payloads, averaging.combine, _identity,
-                                  fan_in=self.config.average.fan_in, name="average",
-                                  token=self.token, coords=(rnd.index,), leaf=_average_leaf)
-            mean = self._submit(_finalize_like, partial, params,
-                                key=self.key("average", rnd.index, "mean"))
+            mean = self._tree_mean(rnd, payloads)
         with distributed.span("update"):
             fut = self._submit(tasks.update, params, opt, mean, spec,
                                key=self.key("update", rnd.index), resources=self.train_resources)
@@ -184,15 +187,6 @@ class RoundGraph:
     def scatter(self, value):
         """Put a host value on the cluster as a root with no lineage (checkpoints, resumes)."""
         return self.client.scatter([value], hash=False)[0]
-
-
-def _identity(partial):
-    return partial
-
-
-def _finalize_like(partial, like: dict) -> dict:
-    """The replicas' sample-weighted mean, summed in float64 and cast back to ``like``'s dtypes."""
-    return averaging.finalize(partial, like={k: v.dtype for k, v in like.items()})
 
 
 @contextlib.contextmanager
