@@ -485,13 +485,7 @@ class _Run:
                         OSError)
         if not isinstance(exc, cluster_kind):
             return exc  # a bug or a user error: the caller sees it unchanged
-        if self.out is None:
-            where = "; no --out was given, so there is nothing to resume"
-        elif self._anchor.round >= 0 and (self.out / "checkpoints").is_dir():
-            where = (f"; the last checkpoint is round {self._anchor.round}: resume with "
-                     f"`python -m pipeline train --resume {self.out}`")
-        else:
-            where = f"; no checkpoint yet: start again with --out {self.out} --overwrite"
+        where = self._resume_hint()
         if not self._scheduler_alive():
             address = getattr(self.client.scheduler, "address", None) or "?"
             hint = " (and --scheduler ADDR for a new scheduler)" if self.out is not None else ""
@@ -499,6 +493,15 @@ class _Run:
                                 f"{self._collecting_round()}{where}{hint}")
         return ClusterError(f"gave up after losing work {retries} times in a row, last in round "
                             f"{self._collecting_round()} ({_one_line(exc)}){where}")
+
+    def _resume_hint(self) -> str:
+        """``; <where the run can go on from>`` for the error that ends it."""
+        if self.out is None:
+            return "; no --out was given, so there is nothing to resume"
+        if self._anchor.round >= 0 and (self.out / "checkpoints").is_dir():
+            return (f"; the last checkpoint is round {self._anchor.round}: resume with "
+                    f"`python -m pipeline train --resume {self.out}`")
+        return f"; no checkpoint yet: start again with --out {self.out} --overwrite"
 
     def _collecting_round(self) -> int:
         """The round the driver was waiting for: one after the last reported."""
@@ -533,7 +536,8 @@ class _Run:
             for name in self.graph.train_resources or ():
                 cluster.require_resource(self.client, name, timeout)
         except ClusterError as err:
-            raise ClusterError(f"cannot replay round {self._anchor.round + 1}: {err}") from None
+            raise ClusterError(f"cannot replay from round {self._anchor.round + 1}: {err}"
+                               f"{self._resume_hint()}") from None
 
     # ---- checkpoints and outputs ---------------------------------------------------------
     def _final_params(self, state: HostState) -> dict:
