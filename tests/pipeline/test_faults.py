@@ -1,0 +1,417 @@
+"""Faults with real processes: lost workers, a killed driver, a lost scheduler, divergence, damaged
+checkpoints, and a long run that must hand every key and byte back.
+
+Every run here is compared byte for byte with one uninterrupted reference run of the same config:
+replays and resumes recompute the same values because every random choice is keyed by the run
+seed and the task's coordinates (docs/architecture.md, Determinism).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline import Config, tasks
+from pipeline.cli import build_parser
+from pipeline.commands import config_from_args
+from pipeline.compat import serializers
+from pipeline.errors import ClusterError, DivergenceError
+from pipeline.models import build_model
+from pipeline.state import get_state
+from pipeline.training import train
+from tests.pipeline.clusters import REPO, subprocess_cluster
+
+# 256 images, K=3 replicas of batch 8: 10 steps per epoch; H=1: 20 rounds in 2 epochs. The CLI
+# runs checkpoint every 10 rounds (the default: rounds 9 and 19), the in-process ones every 4
+# (3, 7, 11, 15, 19). A round is ~0.1 s of work, so a fault lands while tasks run.
+ARGS = ["--data", "synthetic:256:64", "--model", "small-cnn", "--strategy", "ipm",
+        "--replicas", "3", "--batch-size", "8", "--mix-every", "1", "--epochs", "2",
+        "--lr", "0.02", "--augment", "cifar", "--seed", "5", "--no-progress"]
+ROUNDS, EVERY = 20, 4
+
+
+def _config(out=None, **changes) -> Config:
+    """The config ``python -m pipeline train ARGS --out OUT`` runs (one source for both), with
+    a checkpoint every ``EVERY`` rounds unless ``changes`` say otherwise."""
+    args = build_parser().parse_args(["train", *ARGS] + (["--out", str(out)] if out else []))
+    return config_from_args(args).replace(**{"checkpoint_every": EVERY, **changes})
+
+
+@pytest.fixture(scope="module")
+def reference(dask_client):
+    """The uninterrupted run's final weights (no output directory)."""
+    return train(_config(), client=dask_client).params
+
+
+def _equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes(), k
+
+
+def _saved_weights(out: Path) -> dict:
+    model = build_model("small-cnn")
+    serializers.load_npz(str(out / "model.npz"), model)  # what a user loads
+    return get_state(model)
+
+
+def _metric_rounds(out: Path) -> list[int]:
+    return [json.loads(x)["round"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _on_cluster(cluster, out, **changes) -> Config:
+    return _config(out, **{"cluster.scheduler": cluster.address,
+                           "cluster.connect_timeout": 5.0, **changes})
+
+
+class _Killer:
+    """Kills workers mid-round: when round ``after`` is reported, a thread waits until worker
+    ``index`` is busy with a ``stage`` task of a later round and SIGKILLs it (and its nanny)."""
+
+    def __init__(self, cluster, plan: dict[int, int], stage: str = "train"):
+        import distributed
+        self.cluster, self.plan, self.stage = cluster, dict(plan), stage
+        self.client = distributed.Client(cluster.address, set_as_default=False)
+        names = {info["name"]: addr for addr, info in
+                 self.client.scheduler_info(n_workers=-1)["workers"].items()}
+        self.address = {i: names[f"worker-{i}"] for i in plan.values()}
+        self.killed: list[tuple[int, int, str]] = []  # (worker, after round, busy key)
+        self.threads: list[threading.Thread] = []
+
+    def __call__(self, line: dict) -> None:
+        index = self.plan.pop(line["round"], None)
+        if index is not None:
+            thread = threading.Thread(target=self._kill_when_busy, args=(index, line["round"]),
+                                      daemon=True)
+            thread.start()
+            self.threads.append(thread)
+
+    def _kill_when_busy(self, index: int, after: int, timeout: float = 20.0) -> None:
+        addr, deadline = self.address[index], time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            busy = [k for k in self.client.processing(workers=[addr]).get(addr, ())
+                    if str(k).startswith(f"('{self.stage}-")]
+            if busy:
+                self.cluster.kill_worker(index)
+                self.killed.append((index, after, str(busy[0])))
+                return
+            time.sleep(0.002)
+
+    def close(self) -> None:
+        for thread in self.threads:
+            thread.join(30)
+        self.client.close()
+
+
+def _train_with_kills(tmp_path, plan: dict[int, int], n_workers: int = 3):
+    lines = []
+    with subprocess_cluster(n_workers, resources={"CPU": 1}) as cluster:
+        killer = _Killer(cluster, plan)
+        try:
+            result = train(_on_cluster(cluster, tmp_path), log=lines.append, on_round=killer)
+        finally:
+            killer.close()
+        assert [k[0] for k in killer.killed] == [plan[r] for r in sorted(plan)], (
+            killer.killed, cluster.logs())
+        alive = [w.poll() is None for w in cluster.workers]
+    return result, killer.killed, lines, alive
+
+
+@pytest.mark.cluster
+def test_worker_killed_mid_round_finishes_with_identical_weights(tmp_path, reference):
+    result, killed, log, alive = _train_with_kills(tmp_path, {5: 0})
+    assert alive == [False, True, True]
+    _equal(result.params, reference)
+    _equal(_saved_weights(tmp_path), reference)
+    assert _metric_rounds(tmp_path) == list(range(ROUNDS))  # replayed rounds reported once
+    assert [x["round"] for x in result.history] == list(range(ROUNDS))
+    assert len(_replays(log)) <= 1, log  # one replay at most (none if lineage sufficed)
+    for start, lost in _replays(log):  # from the last checkpoint before the lost round
+        assert start == (lost // EVERY) * EVERY, log
+
+
+def _replays(log: list[str]) -> list[tuple[int, int]]:
+    """(replayed from round, lost round) of each recovery the driver logged."""
+    found = []
+    for line in log:
+        if "replaying from round" in line:
+            lost = int(line.split("lost work in round ")[1].split()[0])
+            found.append((int(line.rsplit(" ", 1)[1]), lost))
+    return found
+
+
+@pytest.mark.cluster
+def test_two_workers_lost_one_after_the_other(tmp_path, reference):
+    result, killed, log, alive = _train_with_kills(tmp_path, {2: 0, 9: 1})
+    assert alive == [False, False, True], killed
+    _equal(result.params, reference)
+    assert _metric_rounds(tmp_path) == list(range(ROUNDS))
+    for start, lost in _replays(log):
+        assert start == (lost // EVERY) * EVERY, log
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "round-000015", "round-000019"]
+
+
+@pytest.mark.cluster
+def test_all_workers_lost_stops_with_one_line(tmp_path):
+    with subprocess_cluster(1, resources={"CPU": 1}) as cluster:
+        killer = _Killer(cluster, {5: 0})
+        try:
+            with pytest.raises(ClusterError) as err:
+                train(_on_cluster(cluster, tmp_path), on_round=killer, log=lambda _: None)
+        finally:
+            killer.close()
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("cannot replay from round ")
+    assert "has 0 workers, needs 1 (waited 5 s)" in message
+    last = int(message.split("the last checkpoint is round ")[1].split(":")[0])
+    assert (tmp_path / "checkpoints" / f"round-{last:06d}").is_dir()
+    assert message.endswith(f"resume with `python -m pipeline train --resume {tmp_path}`")
+
+
+_KILLED_KEYS: list = []  # keys of the _always_killed tasks (in-process workers share it)
+
+
+def _always_killed(params, opt, shard, spec):
+    """A train task whose worker always dies (as the scheduler reports it after 3 deaths)."""
+    import types
+
+    import distributed
+    key = distributed.get_worker().get_current_task()
+    _KILLED_KEYS.append(key)
+    raise distributed.KilledWorker(key, types.SimpleNamespace(address="tcp://gone:1"), 3)
+
+
+def test_lost_work_again_and_again_gives_up_with_one_line(tmp_path, dask_client, monkeypatch):
+    monkeypatch.setattr(tasks, "train", _always_killed)
+    _KILLED_KEYS.clear()
+    log = []
+    with pytest.raises(ClusterError) as err:
+        train(_config(tmp_path), client=dask_client, log=log.append)
+    assert len([x for x in log if "replaying from round 0" in x]) == 3, log
+    message = str(err.value)
+    assert "\n" not in message, message
+    assert message.startswith("gave up after losing work 4 times in a row, last in round 0 "
+                              "(KilledWorker: ")
+    assert message.endswith(f"no checkpoint yet: start again with --out {tmp_path} --overwrite")
+    # The first attempt and every replay ran under a key token of their own.
+    assert len({key[0] for key in _KILLED_KEYS}) == 4, _KILLED_KEYS
+
+
+# --- the driver and the scheduler ---------------------------------------------------------------
+
+
+def _cli(*args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    env.pop("DASK_SCHEDULER_ADDRESS", None)
+    return subprocess.Popen([sys.executable, "-m", "pipeline", "train", *args], cwd=str(REPO),
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= n:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended early ({proc.returncode}):\n"
+                                 f"{proc.communicate()[1][-3000:]}")
+        time.sleep(0.02)
+    proc.kill()
+    raise AssertionError(f"{path} did not reach {n} lines in {timeout:g} s")
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 120.0) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+@pytest.mark.cluster
+def test_driver_killed_mid_run_resumes_to_identical_weights(tmp_path, reference):
+    out = tmp_path / "run"
+    with subprocess_cluster(2, resources={"CPU": 1}) as cluster:
+        driver = _cli(*ARGS, "--scheduler", cluster.address, "--out", str(out))
+        _wait_for_lines(out / "metrics.jsonl", 12, driver)  # round 9 is checkpointed by now
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait(10)
+        assert driver.returncode == -signal.SIGKILL
+        assert not (out / "model.npz").exists()
+        resumed = _cli("--resume", str(out), "--scheduler", cluster.address, "--no-progress")
+        code, stdout, stderr = _finish(resumed)
+    assert code == 0, stderr
+    assert "resuming" in stderr and stdout.startswith(f"done: {ROUNDS} rounds")
+    _equal(_saved_weights(out), reference)
+    assert _metric_rounds(out) == list(range(ROUNDS))
+    assert not [p for p in out.rglob(".*") if p.name.endswith(".tmp")]  # no half-written files
+
+
+@pytest.mark.cluster
+def test_scheduler_lost_stops_with_one_line_and_resumes(tmp_path, reference):
+    out = tmp_path / "run"
+    with subprocess_cluster(2, resources={"CPU": 1}) as cluster:
+        driver = _cli(*ARGS, "--scheduler", cluster.address, "--out", str(out))
+        _wait_for_lines(out / "metrics.jsonl", 12, driver)
+        started = time.monotonic()
+        os.killpg(cluster.scheduler.pid, signal.SIGKILL)
+        code, stdout, stderr = _finish(driver, timeout=60)
+        stopped = time.monotonic() - started
+        for i in range(len(cluster.workers)):  # orphans: SIGTERM would wait for their nannies
+            cluster.kill_worker(i)
+    errors = [x for x in stderr.splitlines() if x.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in stderr, stderr
+    assert errors[0].startswith(f"error: lost the scheduler {cluster.address}"), errors
+    last = int(errors[0].split("the last checkpoint is round ")[1].split(":")[0])
+    assert f"resume with `python -m pipeline train --resume {out}`" in errors[0]
+    assert last == 9 and (out / "checkpoints" / f"round-{last:06d}").is_dir()
+    assert stopped < 20, stopped
+    with subprocess_cluster(2, resources={"CPU": 1}) as fresh:
+        code, stdout, stderr = _finish(_cli("--resume", str(out), "--scheduler", fresh.address))
+    assert code == 0, stderr
+    _equal(_saved_weights(out), reference)
+    assert _metric_rounds(out) == list(range(ROUNDS))
+
+
+# --- divergence and damaged checkpoints ---------------------------------------------------------
+
+_real_train = tasks.train
+SPIKE = (7, 1)  # (round, replica) whose learning rate spikes to infinity
+
+
+def _spiking_train(params, opt, shard, spec):
+    """tasks.train, but replica 1 of round 7 steps at lr inf (its weights go NaN/Inf)."""
+    if (spec.round, spec.replica) == SPIKE:
+        spec = spec._replace(lrs=(float("inf"),) * len(spec.lrs))
+    return _real_train(params, opt, shard, spec)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_divergence_stops_and_keeps_the_last_good_checkpoint(tmp_path, dask_client, monkeypatch):
+    monkeypatch.setattr(tasks, "train", _spiking_train)  # in-process workers see the module
+    with pytest.raises(DivergenceError, match=r"round 7 \(epoch 0\), replica 1: .* NaN or Inf"):
+        train(_config(tmp_path), client=dask_client)
+    # Round 7 is a checkpoint round: its metrics are checked before anything is written.
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["round-000003"]
+    assert _metric_rounds(tmp_path) == list(range(7))
+    assert not (tmp_path / "model.npz").exists() and not (tmp_path / "summary.json").exists()
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+DAMAGE = {
+    "truncated state.npz": lambda d: _truncate(d / "state.npz"),
+    "truncated model.npz": lambda d: _truncate(d / "model.npz"),
+    "truncated meta.json": lambda d: _truncate(d / "meta.json"),
+    "meta.json missing": lambda d: (d / "meta.json").unlink(),
+}
+
+
+@pytest.fixture(scope="module")
+def interrupted(dask_client, tmp_path_factory) -> Path:
+    """An output directory whose run stopped after round 12: checkpoints of rounds 7 and 11."""
+    class Stop(Exception):
+        pass
+
+    def stop_after_round_12(line):
+        if line["round"] == 12:
+            raise Stop
+
+    out = tmp_path_factory.mktemp("interrupted")
+    with pytest.raises(Stop):
+        train(_config(out), client=dask_client, on_round=stop_after_round_12)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "round-000007", "round-000011"]
+    return out
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_latest_checkpoint_resumes_from_the_one_before(tmp_path, dask_client, reference,
+                                                               interrupted, damage):
+    out = Path(shutil.copytree(interrupted, tmp_path / "run"))
+    DAMAGE[damage](out / "checkpoints" / "round-000011")
+    # What a driver killed mid-write leaves: temporaries of write_atomic, save and the model.
+    (out / ".metrics.jsonl.k1ll3d.tmp").write_text('{"round": 12')
+    (out / ".model.npz.tmp.npz").write_bytes(b"PK")
+    (out / "checkpoints" / ".round-000015.k1ll3d.tmp").mkdir()
+    (out / "checkpoints" / ".round-000015.k1ll3d.tmp" / "state.npz").write_bytes(b"PK")
+    log = []
+    result = train(_config(out), client=dask_client, resume=True, log=log.append)
+    assert any(x.startswith("skipping checkpoint round-000011") for x in log), log
+    assert any("resuming" in x and "after round 7" in x for x in log), log
+    _equal(result.params, reference)
+    assert _metric_rounds(out) == list(range(ROUNDS))
+    assert not [p.name for p in out.rglob(".*")], "temporaries left"
+
+
+# --- a long run gives everything back -----------------------------------------------------------
+
+
+def _scheduler_tasks(client) -> int:
+    return client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks))
+
+
+def _worker_memory(client) -> dict:
+    """{worker: (keys held, bytes held, process RSS)}."""
+    def probe(dask_worker):
+        import psutil
+        return (len(dask_worker.data), dask_worker.state.nbytes,
+                psutil.Process().memory_info().rss)
+    return client.run(probe)
+
+
+def _settle(read, target, timeout: float = 10.0):
+    """Poll ``read()`` until it equals ``target`` (releases are asynchronous); the last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = read()
+        if value == target or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_long_run_releases_every_key_and_byte(tmp_path):
+    import distributed
+    # K=2 x batch 8 on 256 images: 16 rounds of H=1 per epoch; 19 epochs = 304 rounds.
+    cfg = _config(**{"train.replicas": 2, "average.mix_every": "1", "train.epochs": 19,
+                     "checkpoint_every": 0})
+    samples: dict[int, int] = {}
+    memory: dict[int, dict] = {}
+    with subprocess_cluster(2, resources={"CPU": 1}) as cluster, \
+            distributed.Client(cluster.address, set_as_default=False) as client:
+        baseline_tasks = _scheduler_tasks(client)
+        baseline = _worker_memory(client)
+
+        def watch(line):
+            if line["round"] % 10 == 0:
+                samples[line["round"]] = _scheduler_tasks(client)
+            if line["round"] in (30, 303):
+                memory[line["round"]] = _worker_memory(client)
+
+        result = train(cfg.replace(**{"cluster.scheduler": cluster.address}), on_round=watch)
+        after_tasks = _settle(lambda: _scheduler_tasks(client), baseline_tasks)
+        after = _settle(lambda: {w: m[:2] for w, m in _worker_memory(client).items()},
+                        {w: m[:2] for w, m in baseline.items()})
+    assert len(result.history) == 304
+    # Bounded during the run: the rounds in flight (prefetch + one ahead) plus the data blocks,
+    # the same at round 300 as at round 20.
+    early, late = max(v for r, v in samples.items() if r <= 50), max(samples.values())
+    assert late <= early + 10 and late < 120, samples
+    # Back at the baseline after it: no key left on the scheduler, no data on the workers.
+    assert after_tasks == baseline_tasks, (baseline_tasks, after_tasks)
+    assert after == {w: m[:2] for w, m in baseline.items()}, (baseline, after)
+    growth = {w: (memory[303][w][2] - memory[30][w][2]) / 2**20 for w in baseline}
+    assert all(g < 40 for g in growth.values()), growth  # MiB of RSS from round 30 to 303
