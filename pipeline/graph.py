@@ -77,7 +77,7 @@ class Persisted(NamedTuple):
     n_train: int
 
 
-def persist_dataset(client: distributed.Client, dataset, eval_chunk: int = 1000) -> Persisted:
+def persist_dataset(client: distributed.Client, dataset, eval_chunk: int = 250) -> Persisted:
     """Load the raw data onto the cluster once (``load-`` tasks); consumers refer to it by key."""
     test_images = dataset.test_images.rechunk({0: eval_chunk})
     test_labels = dataset.test_labels.rechunk({0: eval_chunk})
