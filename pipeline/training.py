@@ -448,7 +448,7 @@ class _Run:
         progress.set_postfix(postfix, refresh=False)
 
     def _progress(self, initial: int):
-        from tqdm.auto import tqdm
+        from tqdm.std import tqdm  # text bar: tqdm.auto warns in kernels without ipywidgets
         return tqdm(total=len(self.rounds), initial=initial, unit="round",
                     disable=not self.config.progress, file=sys.stderr, dynamic_ncols=True)
 
@@ -541,9 +541,9 @@ class _Run:
 
     # ---- checkpoints and outputs ---------------------------------------------------------
     def _final_params(self, state: HostState) -> dict:
-        if self._shared() or len(state.params) == 1 or self.config.train.strategy == "mixture":
-            return {k: v for k, v in state.params[0].items() if not k.startswith("opt/")}
-        raise AssertionError("unreachable")
+        """The model's weights: the shared (averaged) params; for single, the one replica; for
+        mixture, the average after the last round (replica 0 in a mid-run checkpoint)."""
+        return {k: v for k, v in state.params[0].items() if not k.startswith("opt/")}
 
     def _save_checkpoint(self, state: HostState) -> None:
         checkpoint.save(self.out, state, self._final_params(state), self._comparable())
