@@ -504,8 +504,10 @@ class _Run:
         return f"; no checkpoint yet: start again with --out {self.out} --overwrite"
 
     def _collecting_round(self) -> int:
-        """The round the driver was waiting for: one after the last reported."""
-        return self.history[-1]["round"] + 1 if self.history else self._anchor.round + 1
+        """The round the driver was waiting for: one after the last reported (the last round
+        itself while its final state is gathered)."""
+        after = self.history[-1]["round"] if self.history else self._anchor.round
+        return min(after + 1, len(self.rounds) - 1)
 
     def _forget_attempt(self, exc: BaseException | None = None) -> None:
         """Cancel every future of the failed attempt and key the replay under a fresh token.
