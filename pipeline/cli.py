@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from pipeline.errors import UsageError
+from pipeline.errors import DivergenceError, UsageError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # config validation names the field
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except DivergenceError as exc:  # not bad input: the run itself blew up
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

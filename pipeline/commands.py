@@ -42,6 +42,7 @@ _TRAIN_OPTIONS = [
     ("--tls-ca-file", "cluster.tls_ca_file", str, "TLS CA certificate"),
     ("--tls-cert", "cluster.tls_cert", str, "TLS client certificate"),
     ("--tls-key", "cluster.tls_key", str, "TLS client key"),
+    ("--connect-timeout", "cluster.connect_timeout", float, "seconds to wait for the scheduler"),
 ]
 _CLUSTER_FIELDS = {f for _, f, _, _ in _TRAIN_OPTIONS if f.startswith("cluster.")}
 
@@ -74,7 +75,8 @@ def add_subcommands(sub) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    given = {k: v for k, v in vars(args).items() if "." in k or k == "seed"}
+    given = {k: v for k, v in vars(args).items()
+             if "." in k or k in ("seed", "checkpoint_every", "eval_every")}
     given = {k: v for k, v in given.items() if v is not None}
     if args.resume:
         saved = Path(args.resume) / "config.json"

@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -74,7 +76,9 @@ def train(config: Config, client=None, *, resume: bool = False, overwrite: bool 
         if client is None:
             gpus = local_gpus() if config.train.device != "cpu" else ()
             client = stack.enter_context(connect(config.cluster, log=log, gpus=gpus))
-        return _Run(client, config, out, log, on_round).run(resume)
+        run = _Run(client, config, out, log, on_round)
+        run.overwrite = overwrite
+        return run.run(resume)
 
 
 def _normalise(config: Config) -> Config:
@@ -87,6 +91,8 @@ def _normalise(config: Config) -> Config:
 
 
 def _prepare_out(config: Config, resume: bool, overwrite: bool) -> Path | None:
+    """Check the output directory without creating it: a run refused later (bad data, no
+    worker, unreachable scheduler) must leave nothing behind. ``_make_out`` creates it."""
     if config.out is None:
         if resume:
             raise UsageError("resume needs an output directory (--out)")
@@ -99,16 +105,25 @@ def _prepare_out(config: Config, resume: bool, overwrite: bool) -> Path | None:
             raise ResumeError(f"nothing to resume in {out}: it has no checkpoints/")
     elif out.is_dir() and (out / "metrics.jsonl").exists() and not overwrite:
         raise UsageError(f"{out} already holds a run; resume it with --resume or pick another --out")
+    parent = out.absolute()
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot create output directory {out}: {parent} is not a writable "
+                         "directory")
+    return out
+
+
+def _make_out(out: Path, resume: bool, overwrite: bool) -> None:
+    """Create the output directory once the run is under way; clear a replaced run's outputs."""
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"cannot create output directory {out}: {exc.strerror}") from None
     if not resume and overwrite:
-        import shutil
         for name in ("metrics.jsonl", "model.npz", "curves.png", "summary.json"):
             (out / name).unlink(missing_ok=True)
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    return out
 
 
 def _round_of(key) -> int | None:
@@ -364,6 +379,7 @@ class _Run:
         state = state or self._initial_state()
         self.payload_bytes = averaging.nbytes(state.params[0])
         if self.out is not None:
+            _make_out(self.out, resume, self.overwrite)
             checkpoint.write_atomic(self.out / "config.json", self.config.to_json())
         if resume:
             self._truncate_metrics(state.round)

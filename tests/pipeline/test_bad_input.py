@@ -307,8 +307,6 @@ def test_no_worker_with_the_gpu_resource(capsys, tmp_path, monkeypatch):
     assert "no worker advertises resource 'GPU'" in line
 
 
-@pytest.mark.xfail(strict=True, reason="training.train makes --out before it connects and loads "
-                   "the data; the fix is in docs/reliability.md (Known gaps)")
 def test_refused_input_creates_no_output_directory(capsys, tmp_path, scheduler):
     _train(capsys, *GOOD, "--data", str(tmp_path / "nowhere"), "--scheduler", scheduler,
            out=tmp_path / "out")
