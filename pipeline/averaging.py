@@ -117,6 +117,19 @@ def _check_same_entries(reference: Mapping, other: Mapping, index: int) -> None:
                              f"input 0 has {reference[key].shape}")
 
 
+def _checked_parts(partials) -> tuple[list, float]:
+    """The inputs as (sums, count, first, dtypes) tuples, checked to hold the same entries, and
+    their total weight."""
+    if not partials:
+        raise ValueError("combine needs at least one partial, got none")
+    parts = [_as_partial_parts(item, i) for i, item in enumerate(partials)]
+    count = parts[0][1]
+    for index, (other, other_count, _, _) in enumerate(parts[1:], start=1):
+        _check_same_entries(parts[0][0], other, index)
+        count = count + other_count
+    return parts, count
+
+
 def combine(partials: Sequence[Partial | State]) -> Partial:
     """Add partials in the order given (the tree's replica-index order), never their means.
 
@@ -128,13 +141,8 @@ def combine(partials: Sequence[Partial | State]) -> Partial:
     >>> combine([s, leaf(s, weight=2)]).sums["/W"], combine([s, s]).count
     (array([3.]), 2)
     """
-    if not partials:
-        raise ValueError("combine needs at least one partial, got none")
-    parts = [_as_partial_parts(item, i) for i, item in enumerate(partials)]
-    ref_sums, count, first, dtypes = parts[0]
-    for index, (other, other_count, _, _) in enumerate(parts[1:], start=1):
-        _check_same_entries(ref_sums, other, index)
-        count = count + other_count
+    parts, count = _checked_parts(partials)
+    ref_sums, _, first, dtypes = parts[0]
     sums = {}
     for key, value in ref_sums.items():
         total = np.array(value, dtype=np.float64)  # a copy, exact widening
@@ -236,13 +244,8 @@ def combine_finalize(partials: Sequence[Partial | State],
     >>> combine_finalize(s)["/W"]
     array([1.5, 2. ], dtype=float32)
     """
-    if not partials:
-        raise ValueError("combine needs at least one partial, got none")
-    parts = [_as_partial_parts(item, i) for i, item in enumerate(partials)]
-    ref_sums, count, first, dtypes = parts[0]
-    for index, (other, other_count, _, _) in enumerate(parts[1:], start=1):
-        _check_same_entries(ref_sums, other, index)
-        count = count + other_count
+    parts, count = _checked_parts(partials)
+    ref_sums, _, first, dtypes = parts[0]
     return _finish(lambda key: [p[0][key] for p in parts], count, first, dtypes,
                    ref_sums.keys(), like)
 
