@@ -10,7 +10,6 @@ prove the exit status and the absence of a traceback. docs/reliability.md lists 
 from __future__ import annotations
 
 import functools
-import hashlib
 import http.server
 import os
 import pickle

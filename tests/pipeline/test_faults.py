@@ -17,7 +17,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from pipeline import Config, tasks
