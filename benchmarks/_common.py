@@ -30,6 +30,29 @@ def timed(fn, *args, **kwargs):
     return result, time.perf_counter() - start
 
 
+def common_arguments(parser, *, epochs: float, batch_size: int, mix_every: str | None = None):
+    """The options every training benchmark takes (model, data, epochs, batch, lr, seed, H)."""
+    parser.add_argument("--model", default="small-cnn")
+    parser.add_argument("--data", default="synthetic")
+    parser.add_argument("--epochs", type=float, default=epochs)
+    parser.add_argument("--batch-size", type=int, default=batch_size, help="per replica")
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--seed", type=int, default=0)
+    if mix_every is not None:
+        parser.add_argument("--mix-every", default=mix_every, help="steps per round (H)")
+
+
+def bench_config(a, **fields):
+    """A run's Config from the common arguments plus ``fields``; no progress bar, no checkpoints."""
+    from pipeline import Config
+    base = {"data.source": a.data, "model.name": a.model, "train.batch_size": a.batch_size,
+            "train.lr": a.lr, "train.epochs": a.epochs, "seed": a.seed, "progress": False,
+            "checkpoint_every": 0}
+    if getattr(a, "mix_every", None) is not None:
+        base["average.mix_every"] = a.mix_every
+    return Config().replace(**{**base, **fields})
+
+
 def emit(figures: dict) -> None:
     """The last line of every benchmark: one JSON object."""
     print(json.dumps(figures), flush=True)

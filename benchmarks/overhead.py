@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from _common import emit, local_client, timed  # noqa: I001
+from _common import bench_config, common_arguments, emit, local_client, timed  # noqa: I001
 
 
 def bare_loop(model_name: str, source: str, epochs: int, batch: int, lr: float, seed: int):
@@ -49,35 +49,26 @@ def bare_loop(model_name: str, source: str, epochs: int, batch: int, lr: float, 
     return steps * batch * epochs / seconds, float((pred == yt).mean())
 
 
-def ours(client, model_name, source, epochs, batch, lr, seed, mix_every):
-    from pipeline import Config, train
-    cfg = Config().replace(**{
-        "data.source": source, "model.name": model_name, "train.strategy": "single",
-        "train.replicas": 1, "train.batch_size": batch, "train.lr": lr, "train.epochs": epochs,
-        "average.mix_every": mix_every, "augment.policy": "none", "progress": False,
-        "checkpoint_every": 0, "seed": seed})
+def ours(client, a):
+    from pipeline import train
+    cfg = bench_config(a, **{"train.strategy": "single", "train.replicas": 1,
+                             "augment.policy": "none"})
     result, seconds = timed(train, cfg, client=client, log=lambda m: None)
-    n = result.history[-1]["step"] * batch
+    n = result.history[-1]["step"] * a.batch_size
     return n / seconds, result.history[-1]["test_acc"], result.history
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="small-cnn")
-    p.add_argument("--data", default="synthetic")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--mix-every", default="50", help="steps per round of `single`")
-    p.add_argument("--seed", type=int, default=0)
+    common_arguments(p, epochs=2, batch_size=32, mix_every="50")
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs; best of each kept")
     a = p.parse_args(argv)
     bare_runs, our_runs = [], []
     with local_client(1, 1) as client:
         for _ in range(a.repeats):  # interleaved, best of each: the 2 cores are shared
-            bare_runs.append(bare_loop(a.model, a.data, a.epochs, a.batch_size, a.lr, a.seed))
-            our_runs.append(ours(client, a.model, a.data, a.epochs, a.batch_size, a.lr, a.seed,
-                                 a.mix_every))
+            bare_runs.append(bare_loop(a.model, a.data, int(a.epochs), a.batch_size, a.lr,
+                                       a.seed))
+            our_runs.append(ours(client, a))
     bare_img_s, bare_acc = max(bare_runs)
     ours_img_s, ours_acc, history = max(our_runs, key=lambda r: r[0])
     ratio = ours_img_s / bare_img_s

@@ -18,16 +18,12 @@ from __future__ import annotations
 import argparse
 import time
 
-from _common import emit, local_client, timed  # noqa: I001
+from _common import bench_config, common_arguments, emit, local_client, timed  # noqa: I001
 
 
 def config(a, policy):
-    from pipeline import Config
-    return Config().replace(**{
-        "data.source": a.data, "model.name": a.model, "train.strategy": "ipm",
-        "train.replicas": a.replicas, "train.batch_size": a.batch_size, "train.epochs": a.epochs,
-        "average.mix_every": a.mix_every, "augment.policy": policy, "augment.prefetch": a.prefetch,
-        "progress": False, "checkpoint_every": 0, "seed": 0})
+    return bench_config(a, **{"train.strategy": "ipm", "train.replicas": a.replicas,
+                              "augment.policy": policy, "augment.prefetch": a.prefetch})
 
 
 def augment_only(client, cfg) -> float:
@@ -58,17 +54,14 @@ def augment_only(client, cfg) -> float:
 def main(argv=None):
     from pipeline import train
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="small-cnn")
-    p.add_argument("--data", default="synthetic")
+    common_arguments(p, epochs=2, batch_size=64, mix_every="10")
     p.add_argument("--policy", default="cifar-cutout")
-    p.add_argument("--epochs", type=float, default=2)
     p.add_argument("--replicas", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--mix-every", default="10")
     p.add_argument("--prefetch", type=int, default=2)
     a = p.parse_args(argv)
     with local_client(1, 2) as client:
         quiet = dict(client=client, log=lambda m: None)
+        train(config(a, "none").replace(**{"train.epochs": 0.1}), **quiet)  # warm the worker up
         _, train_s = timed(train, config(a, "none"), **quiet)
         aug_s = augment_only(client, config(a, a.policy))
         _, with_s = timed(train, config(a, a.policy), **quiet)

@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import argparse
 
-from _common import emit, local_client, timed  # noqa: I001
+from _common import bench_config, common_arguments, emit, local_client, timed  # noqa: I001
 
 
 def run(workers, strategy, replicas, a):
-    from pipeline import Config, train
-    cfg = Config().replace(**{
-        "data.source": a.data, "model.name": a.model, "train.strategy": strategy,
-        "train.replicas": replicas, "train.batch_size": a.batch_size, "train.lr": a.lr,
-        "train.epochs": a.epochs, "average.mix_every": a.mix_every, "augment.policy": "cifar",
-        "progress": False, "checkpoint_every": 0, "seed": a.seed})
+    from pipeline import train
+    cfg = bench_config(a, **{"train.strategy": strategy, "train.replicas": replicas,
+                             "augment.policy": "cifar"})
     with local_client(workers, 1) as client:
         result, seconds = timed(train, cfg, client=client, log=lambda m: None)
     images = result.history[-1]["step"] * a.batch_size * replicas
@@ -28,13 +25,7 @@ def run(workers, strategy, replicas, a):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="small-cnn")
-    p.add_argument("--data", default="synthetic")
-    p.add_argument("--epochs", type=float, default=4)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--mix-every", default="20")
-    p.add_argument("--seed", type=int, default=0)
+    common_arguments(p, epochs=4, batch_size=32, mix_every="20")
     a = p.parse_args(argv)
     single = run(1, "single", 1, a)
     ipm = run(2, "ipm", 2, a)

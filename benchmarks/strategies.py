@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from _common import REPO, emit, local_client, timed  # noqa: I001
+from _common import REPO, bench_config, common_arguments, emit, local_client, timed  # noqa: I001
 
 
 def variants(k: int, b: int):
@@ -33,20 +33,13 @@ def variants(k: int, b: int):
 def main(argv=None):
     from matplotlib.figure import Figure
 
-    from pipeline import Config, train
+    from pipeline import train
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", default="synthetic")
-    p.add_argument("--model", default="small-cnn")
+    common_arguments(p, epochs=2, batch_size=8)
     p.add_argument("--replicas", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=8, help="per replica")
-    p.add_argument("--epochs", type=float, default=2)
-    p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--plot", default=str(REPO / "docs" / "strategies.png"))
     a = p.parse_args(argv)
-    base = Config().replace(**{
-        "data.source": a.data, "model.name": a.model, "train.replicas": a.replicas,
-        "train.batch_size": a.batch_size, "train.lr": a.lr, "train.epochs": a.epochs,
-        "augment.policy": "cifar", "progress": False, "checkpoint_every": 0, "seed": 0})
+    base = bench_config(a, **{"train.replicas": a.replicas, "augment.policy": "cifar"})
     results = {}
     with local_client(2, 1) as client:
         for name, changes in variants(a.replicas, a.batch_size):
