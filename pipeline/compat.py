@@ -8,8 +8,18 @@ Chainer 7.8.1 (the last release) touches three things at import time that modern
 * ``pkg_resources`` (deprecated by setuptools, absent without it), used by the same check to
   warn about CuPy versions.
 
-Each shim is installed only when the real thing is missing; the two import-time stand-ins are
-removed again once Chainer has imported, so nothing outside Chainer sees them.
+Each shim is installed only when the real thing is missing. The two import-time stand-ins leave
+``sys.modules`` once Chainer has imported, but the Chainer modules that imported ``pkg_resources``
+(``_environment_check``, ``testing.helper``, ``testing.doctest_helper``) keep the stand-in as their
+global, so it honours version specifiers the way the real ``require`` does.
+
+It also answers whether Chainer's CUDA backend can run here (:func:`cuda_status`). Chainer 7.8.1
+was written for CuPy 7; on CuPy 13 and 14 its CUDA path imports and runs (see docs/gpu.md), but
+two things changed under it: CuPy 14 ships no cuDNN, so convolutions and pooling run as Chainer's
+own im2col + cuBLAS kernels, and a plain ``cupy-cuda13x`` wheel finds no cuBLAS unless the CUDA
+toolkit is installed (``cupy-cuda13x[ctk]``), which leaves ``chainer.backends.cuda.available``
+False with the reason stored in a private attribute. Chainer's notices from import (e.g. that
+CuPy 14 is newer than the versions it knows) are kept in :data:`import_notices`, not dropped.
 """
 from __future__ import annotations
 
@@ -47,21 +57,25 @@ def _stub_module(name: str, **attrs) -> types.ModuleType:
 def _pkg_resources_stub() -> types.ModuleType:
     """Just enough of pkg_resources for chainer._environment_check, on importlib.metadata."""
 
-    class DistributionNotFound(Exception):
-        pass
-
-    class VersionConflict(Exception):
-        pass
-
     class ResolutionError(Exception):
         pass
 
+    class DistributionNotFound(ResolutionError):
+        pass
+
+    class VersionConflict(ResolutionError):
+        pass
+
     def require(requirement: str):
-        name = requirement.split("<")[0].split(">")[0].split("=")[0].split("!")[0].strip()
+        """Like pkg_resources.require for one requirement: DistributionNotFound or VersionConflict."""
+        from packaging.requirements import Requirement
+        req = Requirement(requirement)
         try:
-            importlib.metadata.version(name)
+            version = importlib.metadata.version(req.name)
         except importlib.metadata.PackageNotFoundError:
-            raise DistributionNotFound(name) from None
+            raise DistributionNotFound(req.name) from None
+        if req.specifier and not req.specifier.contains(version, prereleases=True):
+            raise VersionConflict(f"{req.name} {version} does not satisfy {requirement}")
         return []
 
     def get_distribution(name: str):
@@ -103,23 +117,80 @@ def _import_time_stubs():
         np.__dict__.pop("distutils", None)
 
 
+import_notices: list[str] = []  # Chainer's own warnings at import (e.g. CuPy newer than it knows)
+
+
 def _import_chainer():
     _ensure_sctypes()
-    with _import_time_stubs(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.simplefilter("ignore", UserWarning)  # pkg_resources deprecation, CuPy version notes
+    with _import_time_stubs(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         import chainer
         import chainer.functions
         import chainer.gradient_check
         import chainer.links
         import chainer.serializers
+    import_notices.extend(" ".join(str(w.message).split()) for w in caught
+                          if issubclass(w.category, UserWarning)
+                          and "pkg_resources is deprecated" not in str(w.message))
     return chainer
 
 
 chainer = _import_chainer()
+
+
+def cuda_status(check_device: bool = False) -> str | None:
+    """None when Chainer can train on CUDA here; otherwise one line that says why not.
+
+    Looks only at imports unless ``check_device``, which also asks the CUDA runtime for a device
+    (that initialises the driver: call it on GPU workers, not in the driver process).
+
+    >>> cuda_status() is None or isinstance(cuda_status(), str)
+    True
+    """
+    from chainer.backends import cuda
+    if not cuda.available:
+        error = getattr(cuda, "_resolution_error", None)
+        if isinstance(error, ModuleNotFoundError) and error.name == "cupy":
+            return "CuPy is not installed (pip install cupy-cuda13x or cupy-cuda12x, matching the CUDA driver)"
+        detail = " ".join(str(error).split()) or type(error).__name__
+        hint = ("; install the CUDA libraries too: pip install 'cupy-cuda13x[ctk]' (or the CUDA "
+                "toolkit)" if "libcublas" in detail or "Failure finding" in detail else "")
+        return f"Chainer's CUDA backend cannot load CuPy: {detail[:300]}{hint}"
+    if check_device:
+        try:
+            count = cuda.cupy.cuda.runtime.getDeviceCount()
+        except Exception as exc:
+            return f"CuPy sees no usable CUDA device: {' '.join(str(exc).split())[:300]}"
+        if count < 1:
+            return "CuPy sees no CUDA device"
+    return None
+
+
+def cuda_summary() -> str:
+    """One line on the CUDA stack Chainer runs on (call where CUDA is available)."""
+    from chainer.backends import cuda
+    cupy = cuda.cupy
+    runtime = cupy.cuda.runtime.runtimeGetVersion()
+    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
+    name = name.decode() if isinstance(name, bytes) else name
+    conv = ("cuDNN" if cuda.cudnn_enabled else
+            "im2col + cuBLAS (this CuPy has no cuDNN; Chainer 7 cannot use CuPy 13+'s cuDNN)")
+    return (f"Chainer {chainer.__version__} on CuPy {cupy.__version__}, CUDA runtime "
+            f"{runtime // 1000}.{runtime % 1000 // 10}, {name}; convolutions: {conv}")
+
+
+def installed_cupy_packages() -> list[str]:
+    """Distributions that provide ``cupy`` (more than one means two CuPys over each other)."""
+    names = set()
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower()
+        if name == "cupy" or name.startswith("cupy-cuda") or name.startswith("cupy-rocm"):
+            names.add(name)
+    return sorted(names)
 F = chainer.functions
 L = chainer.links
 serializers = chainer.serializers
 gradient_check = chainer.gradient_check
 
-__all__ = ["chainer", "F", "L", "serializers", "gradient_check"]
+__all__ = ["chainer", "F", "L", "serializers", "gradient_check", "cuda_status", "cuda_summary",
+           "import_notices", "installed_cupy_packages"]

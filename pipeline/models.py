@@ -11,19 +11,24 @@ from typing import Callable
 import numpy as np
 
 from pipeline.compat import F, L, chainer
+from pipeline.rng import counter_uniform
 
 I = chainer.initializers
 
 
 def _dropout(x, ratio: float, rng: np.random.Generator | None):
-    """Dropout with a mask drawn on the host from ``rng`` (train mode only)."""
+    """Dropout whose mask is computed on x's device from one key drawn from ``rng`` (train mode).
+
+    The key is the only host draw; ``counter_uniform`` gives NumPy and CuPy the same mask bits,
+    so a GPU replica neither draws 400 k numbers on the host nor copies a mask up each step.
+    """
     if not chainer.config.train or ratio == 0:
         return x
     if rng is None:
         raise ValueError("dropout in train mode needs an explicit rng")
     xp = chainer.backend.get_array_module(x)
-    keep = rng.random(x.shape, dtype=np.float32) >= ratio
-    mask = xp.asarray(keep.astype(np.float32) / np.float32(1 - ratio))
+    u = counter_uniform(xp, int(rng.integers(1 << 63)), x.shape)
+    mask = (u >= np.float32(ratio)).astype(np.float32) * np.float32(1 / (1 - ratio))
     return F.dropout(x, ratio, mask=mask)
 
 

@@ -18,28 +18,126 @@ def _host(value) -> np.ndarray:
     return chainer.backend.CpuDevice().send(value)
 
 
-def get_state(link: chainer.Link) -> State:
-    """Parameters and persistent values (BatchNorm statistics) of ``link`` as host arrays (copies)."""
-    ser = serializers.DictionarySerializer()
+class _Collect(chainer.serializer.Serializer):
+    """Records what a Link or optimizer serializes, as it is: device arrays stay on the device."""
+
+    def __init__(self, target: dict | None = None, path: str = ""):
+        self.target = {} if target is None else target
+        self.path = path
+
+    def __getitem__(self, key):
+        return _Collect(self.target, self.path + key.strip("/") + "/")
+
+    def __call__(self, key, value):  # the keys DictionarySerializer would write
+        self.target[self.path + key.lstrip("/")] = value
+        return value
+
+
+def _is_device_array(value) -> bool:
+    return not isinstance(value, np.ndarray) and hasattr(value, "__cuda_array_interface__")
+
+
+def _to_host(values: dict) -> State:
+    """Serialized values -> host copies; device arrays move in one transfer per dtype.
+
+    A Link on a GPU holds dozens of arrays (resnet20: 65, its Adam state 130); copying them one by
+    one costs a synchronising cudaMemcpy each. Packing them into one flat buffer per dtype on the
+    device makes the round trip one copy.
+    """
+    out, groups = {}, {}
+    for key, value in values.items():
+        if _is_device_array(value):
+            groups.setdefault(value.dtype, []).append(key)
+        else:
+            out[key] = np.array(_host(value) if value is not None else np.asarray(None), copy=True)
+    for dtype, keys in groups.items():
+        xp = chainer.backend.get_array_module(values[keys[0]])
+        flat = xp.concatenate([values[k].ravel() for k in keys]).get()
+        offset = 0
+        for k in keys:
+            size = values[k].size
+            out[k] = flat[offset:offset + size].reshape(values[k].shape)
+            offset += size
+    return {k: out[k] for k in values}  # serialization order, as DictionarySerializer gives it
+
+
+class _DeviceDeserializer(serializers.NpzDeserializer):
+    """NpzDeserializer whose source arrays may already be on the target's device (no host copy)."""
+
+    def __getitem__(self, key):
+        return _DeviceDeserializer(self.npz, self.path + key.strip("/") + "/", strict=self.strict,
+                                   ignore_names=self.ignore_names)
+
+    def __call__(self, key, value):
+        source = self.npz.get(self.path + key.lstrip("/"))
+        if _is_device_array(value) and _is_device_array(source):
+            value[...] = source
+            return value
+        return super().__call__(key, value)
+
+
+def _upload(state: State, like) -> dict:
+    """Host float/int arrays -> views of one device buffer per dtype, on ``like``'s device."""
+    xp = chainer.backend.get_array_module(like)
+    out, groups = dict(state), {}
+    for key, value in state.items():
+        value = np.asarray(value)
+        if value.dtype.kind in "fiub" and value.ndim > 0:
+            groups.setdefault(value.dtype, []).append(key)
+    for dtype, keys in groups.items():
+        flat = xp.asarray(np.concatenate([np.asarray(state[k]).ravel() for k in keys]))
+        offset = 0
+        for k in keys:
+            shape = np.shape(state[k])
+            size = int(np.prod(shape))
+            out[k] = flat[offset:offset + size].reshape(shape)
+            offset += size
+    return out
+
+
+def _device_sample(link) -> object | None:
+    for param in link.params():
+        if _is_device_array(param.array):
+            return param.array
+    return None
+
+
+def get_state(link: chainer.Link, extra: dict | None = None) -> State:
+    """Parameters and persistent values (BatchNorm statistics) of ``link`` as host arrays (copies).
+
+    ``extra`` arrays (e.g. gradients, on the link's device) come back in the same transfer.
+    """
+    ser = _Collect()
     ser.save(link)
-    return {k: np.array(_host(v), copy=True) for k, v in ser.target.items()}
+    return _to_host({**ser.target, **(extra or {})})
 
 
 def set_state(link: chainer.Link, state: State) -> chainer.Link:
-    """Copy ``state`` into ``link`` in place (on the link's device); every key must be present."""
-    serializers.NpzDeserializer(state, strict=True).load(link)
+    """Copy ``state`` into ``link`` in place (on the link's device); every key must be present.
+
+    On a GPU the state goes up in one transfer per dtype, then device-to-device into the Link.
+    """
+    sample = _device_sample(link)
+    if sample is None:
+        serializers.NpzDeserializer(state, strict=True).load(link)
+    else:
+        _DeviceDeserializer(_upload(state, sample), strict=True).load(link)
     return link
 
 
 def get_optimizer_state(optimizer: chainer.Optimizer) -> State:
     """The optimizer's step count and per-parameter slots (momentum ``v``, Adam ``m``/``v``)."""
-    ser = serializers.DictionarySerializer()
+    ser = _Collect()
     ser.save(optimizer)
-    return {k: np.array(_host(v), copy=True) for k, v in ser.target.items()}
+    return _to_host(ser.target)
 
 
 def set_optimizer_state(optimizer: chainer.Optimizer, state: State) -> None:
-    serializers.NpzDeserializer(state, strict=True).load(optimizer)
+    sample = _device_sample(optimizer.target)
+    if sample is None:
+        serializers.NpzDeserializer(state, strict=True).load(optimizer)
+    else:  # fresh device views: slots the optimizer adopts are its own, never the task's input
+        _DeviceDeserializer(_upload(state, sample), strict=True).load(optimizer)
 
 
 def make_optimizer(name: str, lr: float, momentum: float = 0.9, weight_decay: float = 0.0):

@@ -102,10 +102,6 @@ def _inputs(images, labels, spec: StepSpec):
     return x, _to_device(labels.astype(np.int32, copy=False), spec.device)
 
 
-def _finite(value) -> bool:
-    return bool(np.isfinite(float(value)))
-
-
 def train(params: State, opt_state: State | None, shard: Shard, spec: StepSpec) -> TrainResult:
     """Run one replica for one round: ``len(spec.lrs)`` steps of ``batch_size`` from ``shard``.
 
@@ -124,33 +120,47 @@ def train(params: State, opt_state: State | None, shard: Shard, spec: StepSpec) 
             make_optimizer(spec.optimizer, spec.lrs[0], spec.momentum, spec.weight_decay), model)
         if opt_state is not None and spec.opt_mode != "reset":
             set_optimizer_state(optimizer, opt_state)
-        loss_sum, correct, n, finite = 0.0, 0, 0, True
-        for step, lr in enumerate(spec.lrs):
-            lo = step * spec.batch_size
-            x, t = _inputs(shard.images[lo:lo + spec.batch_size],
-                           shard.labels[lo:lo + spec.batch_size], spec)
-            logits = model(x, rng=rng)
-            loss = F.softmax_cross_entropy(logits, t)
-            model.cleargrads()
-            loss.backward()
-            set_lr(optimizer, lr)
-            optimizer.update()
-            loss_sum += float(loss.array) * len(t)
-            correct += int((logits.array.argmax(axis=1) == t).sum())
-            n += len(t)
-            if not _finite(loss.array):
-                finite = False
-                break
+        loss_sum, correct, n = _steps(model, optimizer, shard, spec, rng)
         new_params = get_state(model)
         new_opt = get_optimizer_state(optimizer)
     nonfinite = averaging.first_nonfinite(new_params)
-    finite = finite and nonfinite is None
+    finite = bool(np.isfinite(loss_sum)) and nonfinite is None
     payload = dict(new_params)
     if spec.opt_mode == "average":
         payload.update({"opt/" + k: v for k, v in new_opt.items()})
     metrics = dict(loss_sum=loss_sum, correct=correct, n=n, finite=finite, replica=spec.replica,
                    nonfinite=nonfinite, seconds=time.perf_counter() - start)
     return TrainResult(payload, None if spec.opt_mode == "reset" else new_opt, metrics)
+
+
+def _steps(model, optimizer, shard: Shard, spec: StepSpec, rng) -> tuple:
+    """The local steps of one round -> (loss sum, correct, n) on the host, with one device sync.
+
+    Loss and accuracy accumulate on the model's device and come back once at the end: a
+    ``float(loss)`` per step would block the host on the GPU every step and serialise kernel
+    launches with Python. A diverged replica runs its remaining steps on NaNs and is reported
+    non-finite (the driver stops the run), rather than stopping early after a per-step sync.
+    """
+    loss_sum = correct = None
+    n = 0
+    for step, lr in enumerate(spec.lrs):
+        lo = step * spec.batch_size
+        x, t = _inputs(shard.images[lo:lo + spec.batch_size],
+                       shard.labels[lo:lo + spec.batch_size], spec)
+        logits = model(x, rng=rng)
+        loss = F.softmax_cross_entropy(logits, t)
+        model.cleargrads()
+        loss.backward()
+        set_lr(optimizer, lr)
+        optimizer.update()
+        batch_loss = loss.array.astype(np.float64) * len(t)
+        batch_correct = (logits.array.argmax(axis=1) == t).sum()
+        loss_sum = batch_loss if loss_sum is None else loss_sum + batch_loss
+        correct = batch_correct if correct is None else correct + batch_correct
+        n += len(t)
+    if n == 0:
+        return 0.0, 0, 0
+    return float(loss_sum), int(correct), n  # the one sync (a no-op on NumPy)
 
 
 def _gradient(model, shard: Shard, spec: StepSpec, rng, start: float) -> TrainResult:
@@ -160,12 +170,16 @@ def _gradient(model, shard: Shard, spec: StepSpec, rng, start: float) -> TrainRe
     loss = F.softmax_cross_entropy(logits, t)
     model.cleargrads()
     loss.backward()
-    payload = get_state(model)  # BatchNorm statistics as updated by this forward pass
-    for path, param in model.namedparams():
-        payload[path.lstrip("/")] = np.array(chainer.backend.CpuDevice().send(param.grad))
-    metrics = dict(loss_sum=float(loss.array) * len(t),
-                   correct=int((logits.array.argmax(axis=1) == t).sum()), n=len(t),
-                   finite=_finite(loss.array), replica=spec.replica,
+    xp = chainer.backend.get_array_module(loss.array)
+    tally = xp.stack([loss.array.astype(np.float64) * len(t),
+                      (logits.array.argmax(axis=1) == t).sum().astype(np.float64)])
+    # BatchNorm statistics as updated by this forward pass, the gradients and the two metrics
+    # leave the device together (one transfer per dtype).
+    payload = get_state(model, extra={"/tally": tally, **{
+        path.lstrip("/"): param.grad for path, param in model.namedparams()}})
+    loss_sum, correct = (float(v) for v in payload.pop("/tally"))
+    metrics = dict(loss_sum=loss_sum, correct=int(correct), n=len(t),
+                   finite=bool(np.isfinite(loss_sum)), replica=spec.replica,
                    seconds=time.perf_counter() - start)
     return TrainResult(payload, None, metrics)
 
@@ -213,12 +227,15 @@ def predict_proba(params: State, images: np.ndarray, spec: EvalSpec) -> np.ndarr
             x = augment.normalize(batch, spec.mean, spec.std)
             return F.softmax(model(x)).array
 
-        parts = []
-        for lo in range(0, len(images), spec.batch_size):
-            batch = _to_device(images[lo:lo + spec.batch_size], spec.device)
-            out = augment.tta_average(proba, batch) if spec.tta else proba(batch)
-            parts.append(np.asarray(chainer.backend.CpuDevice().send(out), dtype=np.float32))
-        return np.concatenate(parts) if parts else np.zeros((0, spec.n_classes), np.float32)
+        if len(images) == 0:
+            return np.zeros((0, spec.n_classes), np.float32)
+        device_images = _to_device(images, spec.device)  # one upload; one download below
+        parts = [augment.tta_average(proba, batch) if spec.tta else proba(batch)
+                 for batch in (device_images[lo:lo + spec.batch_size]
+                               for lo in range(0, len(images), spec.batch_size))]
+        xp = chainer.backend.get_array_module(parts[0])
+        out = chainer.backend.CpuDevice().send(xp.concatenate(parts))
+        return np.asarray(out, dtype=np.float32)
 
 
 def evaluate(params: State, images: np.ndarray, labels: np.ndarray, spec: EvalSpec) -> dict:

@@ -45,6 +45,11 @@ def dask_client():
     tests keep dask's local scheduler.
     """
     import distributed
+    from threadpoolctl import threadpool_limits
+    # Both in-process workers' tasks set the process-wide BLAS thread count and restore it on exit;
+    # starting from 1 makes a restore mid-GEMM harmless (a 2-thread GEMM sums in another order,
+    # which made the strategy equivalences fail now and then under load).
+    threadpool_limits(1)
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
                                   dashboard_address="127.0.0.1:0") as cluster, \
             distributed.Client(cluster, set_as_default=False) as client:
