@@ -142,9 +142,12 @@ def _start_embedded(cfg: ClusterConfig, gpus: list[str]) -> distributed.SpecClus
     common = {"host": "127.0.0.1", "silence_logs": logging.WARN, "dashboard": False}
     specs = {f"cpu-{i}": {"cls": distributed.Nanny, "options": {
         **common, "nthreads": threads, "resources": {"CPU": threads}}} for i in range(n_cpu)}
-    specs.update({f"gpu-{d}": {"cls": distributed.Nanny, "options": {
-        **common, "nthreads": 1, "resources": {"GPU": 1},
-        "env": {"CUDA_VISIBLE_DEVICES": d}}} for d in gpus})
+    per_device, gpu_threads = cfg.gpu_workers_per_device, cfg.gpu_threads
+    specs.update({f"gpu-{d}" + (f"-{j}" if per_device > 1 else ""): {
+        "cls": distributed.Nanny, "options": {
+            **common, "nthreads": gpu_threads, "resources": {"GPU": gpu_threads},
+            "env": {"CUDA_VISIBLE_DEVICES": d}}}
+        for d in gpus for j in range(per_device)})
     scheduler = {"cls": distributed.Scheduler, "options": {
         "host": "127.0.0.1", "port": 0, "dashboard": True,
         "dashboard_address": cfg.dashboard_address}}
@@ -219,6 +222,29 @@ def require_resource(client: distributed.Client, name: str, timeout: float) -> N
     raise ClusterError(
         f"no worker advertises resource {name!r} (waited {timeout:g} s); workers advertise: "
         f"{_resource_summary(resources)}; start one with `dask worker ADDR --resources {name}=1`")
+
+
+def gpu_report() -> tuple[str | None, str]:
+    """On a worker: (None, one line on its CUDA stack) or (why Chainer cannot use CUDA there, "")."""
+    from pipeline import compat
+    reason = compat.cuda_status(check_device=True)
+    return (reason, "") if reason else (None, compat.cuda_summary())
+
+
+def check_gpu_workers(client: distributed.Client, name: str) -> list[str]:
+    """Ask every worker advertising resource `name` whether Chainer can train on CUDA there.
+
+    Returns one summary line per worker; ClusterError naming the worker and the reason otherwise
+    (rather than train- tasks failing later, or silently running on the CPU).
+    """
+    workers = [w for w, res in worker_resources(client).items() if res.get(name, 0) > 0]
+    reports = client.run(gpu_report, workers=workers) if workers else {}
+    lines = []
+    for worker, (reason, summary) in sorted(reports.items()):
+        if reason:
+            raise ClusterError(f"worker {worker} advertises {name} but cannot train on CUDA: {reason}")
+        lines.append(f"{worker}: {summary}")
+    return lines
 
 
 def require_workers(client: distributed.Client, n: int, timeout: float) -> None:

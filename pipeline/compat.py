@@ -148,6 +148,10 @@ def cuda_status(check_device: bool = False) -> str | None:
     True
     """
     from chainer.backends import cuda
+    packages = installed_cupy_packages()
+    if len(packages) > 1:
+        return (f"{len(packages)} CuPy packages are installed over each other ({', '.join(packages)});"
+                f" uninstall all but the one matching the CUDA driver")
     if not cuda.available:
         error = getattr(cuda, "_resolution_error", None)
         if isinstance(error, ModuleNotFoundError) and error.name == "cupy":

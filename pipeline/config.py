@@ -130,6 +130,10 @@ class ClusterConfig:
     tls_key: str | None = None  # TLS: this client's private key
     connect_timeout: float = 10.0  # seconds to wait for the scheduler before giving up
     resource_timeout: float = 5.0  # seconds to wait for a worker with a needed resource
+    gpu_workers_per_device: int = 1  # LocalCluster GPU worker processes per device (replicas
+    #                                  share the device by time-slicing; benchmarks/gpu.py)
+    gpu_threads: int = 1  # LocalCluster threads per GPU worker (concurrent train- tasks in one
+    #                       process and CUDA context)
 
     def validate(self) -> None:
         _check(self.workers is None or self.workers >= 1, "cluster.workers", "must be >= 1",
@@ -142,6 +146,10 @@ class ClusterConfig:
                self.connect_timeout)
         _check(self.resource_timeout >= 0, "cluster.resource_timeout", "must be >= 0",
                self.resource_timeout)
+        _check(1 <= self.gpu_workers_per_device <= 64, "cluster.gpu_workers_per_device",
+               "must be in [1, 64]", self.gpu_workers_per_device)
+        _check(1 <= self.gpu_threads <= 64, "cluster.gpu_threads", "must be in [1, 64]",
+               self.gpu_threads)
 
 
 @dataclass(frozen=True)

@@ -217,6 +217,8 @@ class _Run:
             cluster.require_resource(self.client, t.gpu_resource, c.resource_timeout)
         elif not cluster.has_resource(self.client, t.gpu_resource):
             return "@numpy", None
+        for line in cluster.check_gpu_workers(self.client, t.gpu_resource):
+            self.log(f"GPU worker {line}")
         return "@cupy:0", {t.gpu_resource: 1}
 
     def _spec(self, rnd, replica: int, mode: str = "steps") -> tasks.StepSpec:

@@ -22,12 +22,17 @@ probe() {
 import sys, numpy, cupy
 print("python", sys.version.split()[0], "numpy", numpy.__version__, "cupy", cupy.__version__)
 from pipeline import compat
-print("chainer", compat.chainer.__version__, "cuda available:", compat.cuda_status())
+reason = compat.cuda_status(check_device=True)
+print(reason or compat.cuda_summary())
+print("chainer import notices:", compat.import_notices)
+raise SystemExit(1 if reason else 0)
 PY
 }
 
 tests() {
-  "$PY" -m pytest -p no:cacheprovider -m gpu -q -rs --timeout 900 2>&1 | tee "$OUT/pytest-gpu.log" | tail -n 40
+  # A skip is an error here (tests/gpu_guard.py): every GPU test must run.
+  PIPELINE_REQUIRE_GPU=1 "$PY" -m pytest -p no:cacheprovider -m gpu -q -rs --timeout 900 \
+    --junitxml="$OUT/pytest-gpu.xml" 2>&1 | tee "$OUT/pytest-gpu.log" | tail -n 40
 }
 
 bench() {

@@ -1,4 +1,4 @@
-"""CuPy gives the same bytes as NumPy for every op and policy (skipped without CuPy and a GPU)."""
+"""CuPy gives the same bytes as NumPy for every op and policy (skipped without a CUDA device)."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,17 +7,18 @@ import pytest
 import augment
 from augment import ops
 from tests.augment.test_policy import ALL_OPS
+from tests.gpu_guard import require_cuda
 
-cupy = pytest.importorskip("cupy")
+require_cuda()
+
+import cupy  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture
 def pair(images):
-    try:
-        return images, cupy.asarray(images)
-    except Exception as exc:  # CuPy installed but no usable device
-        pytest.skip(f"no CUDA device: {exc}")
+    return images, cupy.asarray(images)
 
 
 @pytest.mark.parametrize("mode", ops.MODES)

@@ -1,0 +1,302 @@
+"""Benchmark: training images/s on one GPU: PyTorch, bare Chainer on CuPy, our single and our ipm.
+
+For each model (``cifar10-2015``, ``resnet20``) and per-replica batch (100, 512), in one run:
+
+(a) ``torch``   the same architecture in PyTorch, a bare loop (Adam, uint8 batches sent to the
+                GPU and normalised there, no per-step sync), PyTorch's defaults incl. cuDNN;
+(b) ``chainer`` a bare Chainer-on-CuPy loop over the same model definition we train
+                (``pipeline.models``), same optimizer and data path;
+(c) ``single``  ``pipeline.train`` with strategy single through the embedded cluster: CPU
+                workers augment, one GPU worker trains; steady-state images/s from the rounds'
+                wall-clock stamps (the first rounds, with kernel compilation, excluded);
+(d) ``ipm``     K = 2 and 4 replicas sharing the one GPU, three ways: one GPU worker running
+                the replicas one after another (``serial``), one GPU worker with K threads
+                (``threads``), K GPU worker processes on the device (``processes``).
+
+Prints images/s, the ratios (c)/(b), (b)/(a), (d)/(c), mean GPU utilisation over each
+measurement (nvidia-smi), and where a step's time goes in (a) and (b): the sum of the GPU kernels'
+durations (CUDA activity from torch.profiler, which sees CuPy's kernels too) against the step's
+wall time; the rest is the host launching kernels (Python and framework overhead).
+
+    python benchmarks/gpu.py                       # on a GPU machine: ~6 min on an H100
+    python benchmarks/gpu.py --models resnet20 --batches 100 --skip-ipm
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import subprocess
+import threading
+import time
+
+import numpy as np
+from _common import emit  # noqa: I001
+
+MEAN = np.array([125.3, 123.0, 113.9], np.float32) / 255  # augment.CIFAR10_MEAN
+STD = np.array([63.0, 62.1, 66.7], np.float32) / 255
+
+
+# ---------------------------------------------------------------------------------------- util
+class GpuUtilisation:
+    """Mean of nvidia-smi's utilization.gpu sampled every 100 ms while the block runs."""
+
+    def __init__(self):
+        self.samples: list[float] = []
+
+    def __enter__(self):
+        self._proc = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+             "-lms", "100"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        return self
+
+    def _read(self):
+        for line in self._proc.stdout:
+            with contextlib.suppress(ValueError):
+                self.samples.append(float(line.split(",")[0]))
+
+    def __exit__(self, *exc):
+        self._proc.terminate()
+        self._proc.wait()
+        self._reader.join(timeout=2)
+
+    @property
+    def mean(self) -> float | None:
+        tail = self.samples[2:] or self.samples  # the first samples predate the work
+        return round(float(np.mean(tail)), 1) if tail else None
+
+
+def _data(batch: int, steps: int):
+    from pipeline.cifar import synthetic_batch
+    n = min(batch * steps, 20480)
+    images, labels = synthetic_batch(0, "train", 0, n)
+    return images, labels.astype(np.int64), n
+
+
+def _kernel_seconds(step, steps: int) -> float | None:
+    """Sum of GPU kernel durations over ``steps`` calls of ``step`` (torch.profiler/CUPTI)."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except Exception:
+        return None
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(i)
+        torch.cuda.synchronize()
+    total_us = sum(getattr(e, "self_device_time_total", 0.0) for e in prof.key_averages())
+    return total_us / 1e6 if total_us else None
+
+
+def _timed_loop(step, sync, warmup: int, steps: int, batch: int, profile_steps: int = 10,
+                seconds: float = 3.0):
+    """images/s over ``steps`` steps (fewer if that takes longer than ``seconds``)."""
+    for i in range(warmup):
+        step(i)
+    sync()
+    start = time.perf_counter()
+    for i in range(5):
+        step(i)
+    sync()
+    steps = int(min(steps, max(20, seconds / ((time.perf_counter() - start) / 5))))
+    with GpuUtilisation() as util:
+        start = time.perf_counter()
+        for i in range(steps):
+            step(i)
+        sync()
+        wall = time.perf_counter() - start
+    kernels = _kernel_seconds(step, profile_steps)
+    per_step = wall / steps
+    out = {"img_s": round(batch * steps / wall, 1), "gpu_util": util.mean,
+           "step_ms": round(per_step * 1e3, 3)}
+    if kernels is not None:
+        out["kernel_ms"] = round(kernels / profile_steps * 1e3, 3)
+        out["kernel_fraction"] = round(min(1.0, kernels / profile_steps / per_step), 3)
+    return out
+
+
+# --------------------------------------------------------------------------------- (a) torch
+def torch_model(name: str):
+    import torch
+    from torch import nn
+    import torch.nn.functional as tf
+
+    class Cifar2015(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = nn.Conv2d(3, 32, 5, padding=2)
+            self.conv2 = nn.Conv2d(32, 32, 5, padding=2)
+            self.conv3 = nn.Conv2d(32, 64, 5, padding=2)
+            self.fc4 = nn.Linear(1344, 4096)
+            self.fc5 = nn.Linear(4096, 10)
+
+        def forward(self, x):
+            # Chainer's max_pooling_2d covers all (ceil_mode); SPP of height 3 on 8x8 = bins 1, 2, 4
+            h = tf.max_pool2d(tf.relu(self.conv1(x)), 3, 2, ceil_mode=True)
+            h = tf.max_pool2d(tf.relu(self.conv2(h)), 3, 2, ceil_mode=True)
+            h = tf.relu(self.conv3(h))
+            h = torch.cat([tf.adaptive_max_pool2d(h, b).flatten(1) for b in (1, 2, 4)], 1)
+            return self.fc5(tf.dropout(tf.relu(self.fc4(h)), 0.5, self.training))
+
+    class Basic(nn.Module):
+        def __init__(self, cin, cout, stride):
+            super().__init__()
+            self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+            self.bn1 = nn.BatchNorm2d(cout)
+            self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+            self.bn2 = nn.BatchNorm2d(cout)
+            self.proj = None
+            if stride != 1 or cin != cout:
+                self.proj = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                          nn.BatchNorm2d(cout))
+
+        def forward(self, x):
+            h = tf.relu(self.bn1(self.conv1(x)))
+            h = self.bn2(self.conv2(h))
+            return tf.relu(h + (self.proj(x) if self.proj is not None else x))
+
+    class ResNet20(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = nn.Conv2d(3, 16, 3, 1, 1, bias=False)
+            self.bn1 = nn.BatchNorm2d(16)
+            self.stages = nn.Sequential(*[
+                Basic(cin if i == 0 else cout, cout, stride if i == 0 else 1)
+                for cin, cout, stride in ((16, 16, 1), (16, 32, 2), (32, 64, 2)) for i in range(3)])
+            self.fc = nn.Linear(64, 10)
+
+        def forward(self, x):
+            h = self.stages(tf.relu(self.bn1(self.conv1(x))))
+            return self.fc(h.mean((2, 3)))
+
+    return {"cifar10-2015": Cifar2015, "resnet20": ResNet20}[name]()
+
+
+def bench_torch(model: str, batch: int, steps: int, warmup: int) -> dict:
+    import torch
+    torch.backends.cudnn.benchmark = True
+    images, labels, n = _data(batch, steps)
+    net = torch_model(model).cuda().train()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    mean = torch.tensor(MEAN * 255, device="cuda").view(1, 3, 1, 1)
+    inv_std = 1 / torch.tensor(STD * 255, device="cuda").view(1, 3, 1, 1)
+    host_x, host_t = torch.from_numpy(images).pin_memory(), torch.from_numpy(labels).pin_memory()
+
+    def step(i):
+        lo = (i * batch) % (n - batch + 1)
+        x = host_x[lo:lo + batch].cuda(non_blocking=True).float().sub_(mean).mul_(inv_std)
+        t = host_t[lo:lo + batch].cuda(non_blocking=True)
+        loss = torch.nn.functional.cross_entropy(net(x), t)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return _timed_loop(step, torch.cuda.synchronize, warmup, steps, batch)
+
+
+# ------------------------------------------------------------------------------- (b) chainer
+def bench_chainer(model: str, batch: int, steps: int, warmup: int) -> dict:
+    import cupy
+
+    import augment
+    from pipeline.compat import F, chainer
+    from pipeline.models import build_model
+    from pipeline.rng import rng_for
+    from pipeline.state import make_optimizer, setup_optimizer
+    images, labels, n = _data(batch, steps)
+    labels = labels.astype(np.int32)
+    link = build_model(model, 10, seed=0)
+    link.to_device("@cupy:0")
+    opt = setup_optimizer(make_optimizer("adam", 1e-3), link)
+    rng = rng_for(0, "dropout", 0, 0)
+
+    def step(i):
+        lo = (i * batch) % (n - batch + 1)
+        x = augment.normalize(cupy.asarray(images[lo:lo + batch]))
+        t = cupy.asarray(labels[lo:lo + batch])
+        with chainer.using_config("train", True):
+            loss = F.softmax_cross_entropy(link(x, rng=rng), t)
+        link.cleargrads()
+        loss.backward()
+        opt.update()
+
+    return _timed_loop(step, cupy.cuda.Device().synchronize, warmup, steps, batch)
+
+
+# ------------------------------------------------------------------------------ (c), (d) ours
+def bench_pipeline(model: str, batch: int, steps: int, replicas: int, variant: str,
+                   cpu_workers: int, skip_rounds: int = 2, mix_every: int = 25) -> dict:
+    """Steady-state training images/s of ``pipeline.train`` on the embedded GPU cluster."""
+    from pipeline import Config, train
+    n_train = batch * replicas * mix_every * 2  # two rounds an epoch
+    epochs = max(1, steps // (mix_every * 2))
+    cluster = {"serial": {}, "threads": {"cluster.gpu_threads": replicas},
+               "processes": {"cluster.gpu_workers_per_device": replicas}}[variant]
+    cfg = Config().replace(**{
+        "data.source": f"synthetic:{n_train}:200", "model.name": model,
+        "train.strategy": "single" if replicas == 1 else "ipm", "train.replicas": replicas,
+        "train.batch_size": batch, "train.optimizer": "adam", "train.lr": 1e-3,
+        "train.epochs": epochs, "train.device": "gpu", "average.mix_every": str(mix_every),
+        "augment.policy": "cifar", "progress": False, "checkpoint_every": 0,
+        "cluster.workers": cpu_workers, **cluster})
+    with GpuUtilisation() as util:
+        result = train(cfg, log=lambda message: None)
+    rounds = result.history
+    steady = rounds[skip_rounds:]
+    seconds = steady[-1]["seconds"] - rounds[skip_rounds - 1]["seconds"]
+    images = sum(r["images"] for r in steady)
+    return {"img_s": round(images / seconds, 1), "gpu_util": util.mean, "rounds": len(rounds),
+            "images": images}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="cifar10-2015,resnet20")
+    p.add_argument("--batches", default="100,512")
+    p.add_argument("--steps", type=int, default=200, help="timed steps of the bare loops")
+    p.add_argument("--pipeline-steps", type=int, default=150, help="steps of a pipeline run")
+    p.add_argument("--cpu-workers", type=int, default=4, help="augmenting CPU workers")
+    p.add_argument("--replicas", default="2,4")
+    p.add_argument("--variants", default="serial,threads,processes")
+    p.add_argument("--ipm-batches", default="100", help="batches at which (d) runs")
+    p.add_argument("--skip-ipm", action="store_true")
+    a = p.parse_args(argv)
+    import cupy
+    from pipeline import compat
+    print(compat.cuda_summary(), flush=True)
+    figures, ratios = {}, {}
+    for model in a.models.split(","):
+        for batch in (int(b) for b in a.batches.split(",")):
+            key = f"{model}@b{batch}"
+            row = figures[key] = {}
+            row["torch"] = bench_torch(model, batch, a.steps, 20)
+            row["chainer"] = bench_chainer(model, batch, a.steps, 20)
+            cupy.get_default_memory_pool().free_all_blocks()
+            row["single"] = bench_pipeline(model, batch, a.pipeline_steps, 1, "serial",
+                                           a.cpu_workers)
+            if not a.skip_ipm and str(batch) in a.ipm_batches.split(","):
+                for k in (int(r) for r in a.replicas.split(",")):
+                    for variant in a.variants.split(","):
+                        row[f"ipm{k}-{variant}"] = bench_pipeline(
+                            model, batch, a.pipeline_steps, k, variant, a.cpu_workers)
+            r = ratios[key] = {
+                "single_over_chainer": round(row["single"]["img_s"] / row["chainer"]["img_s"], 3),
+                "chainer_over_torch": round(row["chainer"]["img_s"] / row["torch"]["img_s"], 3)}
+            for name, fig in row.items():
+                if name.startswith("ipm"):
+                    r[f"{name}_over_single"] = round(fig["img_s"] / row["single"]["img_s"], 3)
+            print(key, {n: f["img_s"] for n, f in row.items()}, r, flush=True)
+    print(f"{'config':22}{'run':22}{'img/s':>10}{'GPU %':>8}{'kernel/step':>13}")
+    for key, row in figures.items():
+        for name, fig in row.items():
+            frac = fig.get("kernel_fraction")
+            print(f"{key:22}{name:22}{fig['img_s']:10.1f}{fig['gpu_util'] or 0:8.1f}"
+                  f"{'' if frac is None else f'{frac:13.2f}'}")
+    emit({"bench": "gpu", "device": compat.cuda_summary(), "img_s": figures, "ratios": ratios,
+          "min_single_over_chainer": min(r["single_over_chainer"] for r in ratios.values())})
+
+
+if __name__ == "__main__":
+    main()
