@@ -82,7 +82,7 @@ def _kernel_seconds(step, steps: int) -> float | None:
     except Exception:
         return None
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
         for i in range(steps):
             step(i)
         torch.cuda.synchronize()
@@ -197,7 +197,7 @@ def bench_torch(model: str, batch: int, steps: int, warmup: int) -> dict:
 
 
 # ------------------------------------------------------------------------------- (b) chainer
-def bench_chainer(model: str, batch: int, steps: int, warmup: int) -> dict:
+def bench_chainer(model: str, batch: int, steps: int, warmup: int, type_check: bool = False) -> dict:
     import cupy
 
     import augment
@@ -216,18 +216,18 @@ def bench_chainer(model: str, batch: int, steps: int, warmup: int) -> dict:
         lo = (i * batch) % (n - batch + 1)
         x = augment.normalize(cupy.asarray(images[lo:lo + batch]))
         t = cupy.asarray(labels[lo:lo + batch])
-        with chainer.using_config("train", True):
+        with chainer.using_config("train", True), chainer.using_config("type_check", type_check):
             loss = F.softmax_cross_entropy(link(x, rng=rng), t)
-        link.cleargrads()
-        loss.backward()
-        opt.update()
+            link.cleargrads()
+            loss.backward()
+            opt.update()
 
     return _timed_loop(step, cupy.cuda.Device().synchronize, warmup, steps, batch)
 
 
 # ------------------------------------------------------------------------------ (c), (d) ours
 def bench_pipeline(model: str, batch: int, steps: int, replicas: int, variant: str,
-                   cpu_workers: int, skip_rounds: int = 2, mix_every: int = 25) -> dict:
+                   cpu_workers: int, skip_rounds: int = 2, mix_every: int = 20) -> dict:
     """Steady-state training images/s of ``pipeline.train`` on the embedded GPU cluster."""
     from pipeline import Config, train
     n_train = batch * replicas * mix_every * 2  # two rounds an epoch
@@ -256,7 +256,7 @@ def main(argv=None):
     p.add_argument("--models", default="cifar10-2015,resnet20")
     p.add_argument("--batches", default="100,512")
     p.add_argument("--steps", type=int, default=200, help="timed steps of the bare loops")
-    p.add_argument("--pipeline-steps", type=int, default=150, help="steps of a pipeline run")
+    p.add_argument("--pipeline-steps", type=int, default=120, help="steps of a pipeline run")
     p.add_argument("--cpu-workers", type=int, default=4, help="augmenting CPU workers")
     p.add_argument("--replicas", default="2,4")
     p.add_argument("--variants", default="serial,threads,processes")
@@ -272,7 +272,8 @@ def main(argv=None):
             key = f"{model}@b{batch}"
             row = figures[key] = {}
             row["torch"] = bench_torch(model, batch, a.steps, 20)
-            row["chainer"] = bench_chainer(model, batch, a.steps, 20)
+            row["chainer"] = bench_chainer(model, batch, a.steps, 20)  # as our tasks run it
+            row["chainer-typecheck"] = bench_chainer(model, batch, a.steps, 20, type_check=True)
             cupy.get_default_memory_pool().free_all_blocks()
             row["single"] = bench_pipeline(model, batch, a.pipeline_steps, 1, "serial",
                                            a.cpu_workers)
@@ -283,7 +284,9 @@ def main(argv=None):
                             model, batch, a.pipeline_steps, k, variant, a.cpu_workers)
             r = ratios[key] = {
                 "single_over_chainer": round(row["single"]["img_s"] / row["chainer"]["img_s"], 3),
-                "chainer_over_torch": round(row["chainer"]["img_s"] / row["torch"]["img_s"], 3)}
+                "chainer_over_torch": round(row["chainer"]["img_s"] / row["torch"]["img_s"], 3),
+                "type_check_off_gain": round(row["chainer"]["img_s"]
+                                             / row["chainer-typecheck"]["img_s"], 3)}
             for name, fig in row.items():
                 if name.startswith("ipm"):
                     r[f"{name}_over_single"] = round(fig["img_s"] / row["single"]["img_s"], 3)

@@ -30,18 +30,29 @@ def _spec(model, device, steps=2, **changes):
     return spec._replace(**changes)
 
 
-def _close(a: dict, b: dict, rel=2e-4):
-    """Same keys and dtypes; every array within ``rel`` of the other in relative L2 norm.
+def _close(a: dict, b: dict, init: dict | None = None, rel_all=1e-2, rel_key=0.1):
+    """GPU result ``a`` against CPU result ``b``: same keys and dtypes, integer entries equal,
+    float entries close in relative L2 norm of the change from ``init`` (of the value itself
+    without ``init``): over the whole model within ``rel_all``, each entry within ``rel_key``.
 
-    Elementwise tolerances fail on near-zero weights after a few steps: cuBLAS and OpenBLAS sum
-    in different orders, so float32 results agree to ~1e-6 relative overall, not per element.
+    Elementwise tolerances do not fit: cuBLAS and OpenBLAS sum in other orders, and parameters
+    whose gradient is a sum with heavy cancellation (BatchNorm's beta and gamma, biases) differ
+    by a few percent of their small update after a step or two, while the model as a whole
+    agrees to ~1e-4. A wrong kernel shows up as an O(1) difference.
     """
     assert a.keys() == b.keys()
+    diff2 = ref2 = 0.0
     for k in a:
-        x, y = np.asarray(a[k], np.float64), np.asarray(b[k], np.float64)
         assert a[k].dtype == b[k].dtype, k
-        scale = max(np.linalg.norm(y), 1e-12)
-        assert np.linalg.norm(x - y) / scale <= rel, (k, np.linalg.norm(x - y) / scale)
+        if not np.issubdtype(b[k].dtype, np.floating):
+            assert np.array_equal(a[k], b[k]), k
+            continue
+        base = np.asarray(init[k], np.float64) if init is not None and k in init else 0.0
+        x, y = np.asarray(a[k], np.float64) - base, np.asarray(b[k], np.float64) - base
+        d, r = np.linalg.norm(x - y), np.linalg.norm(y)
+        assert d <= rel_key * max(r, 1e-12), (k, d / max(r, 1e-12))
+        diff2, ref2 = diff2 + d * d, ref2 + r * r
+    assert diff2 ** 0.5 <= rel_all * max(ref2 ** 0.5, 1e-12), (diff2 / ref2) ** 0.5
 
 
 def _host_only(values: dict):
@@ -59,7 +70,7 @@ def test_train_task_on_gpu_matches_cpu(model):
     cpu = tasks.train(params, None, shard, _spec(model, "@numpy"))
     gpu = tasks.train(params, None, shard, _spec(model, GPU))
     _host_only(gpu.payload), _host_only(gpu.opt)
-    _close(gpu.payload, cpu.payload)
+    _close(gpu.payload, cpu.payload, params)
     _close(gpu.opt, cpu.opt)
     assert gpu.metrics["n"] == 32 and gpu.metrics["finite"]
     assert gpu.metrics["correct"] == cpu.metrics["correct"]
@@ -77,8 +88,8 @@ def test_adam_weight_decay_and_carried_state_on_gpu_match_cpu(model):
                       _spec(model, "@numpy", round=1, **spec))
     gpu = tasks.train(first_gpu.payload, first_gpu.opt, _shard(seed=1),
                       _spec(model, GPU, round=1, **spec))
-    _close(gpu.payload, cpu.payload, rel=1e-3)
-    _close(gpu.opt, cpu.opt, rel=1e-3)
+    _close(gpu.payload, cpu.payload, params, rel_all=3e-2, rel_key=0.3)  # Adam: sign of tiny grads
+    _close(gpu.opt, cpu.opt, rel_all=3e-2, rel_key=0.3)
     assert int(gpu.opt["t"]) == 4
 
 
@@ -90,10 +101,10 @@ def test_averaged_optimizer_state_on_gpu():
     cpu = tasks.train(params, None, shard, _spec(model, "@numpy", **spec))
     gpu = tasks.train(params, None, shard, _spec(model, GPU, **spec))
     assert any(k.startswith("opt/") for k in gpu.payload)
-    _close(gpu.payload, cpu.payload, rel=1e-3)
+    _close(gpu.payload, cpu.payload, params, rel_all=3e-2, rel_key=0.3)
     again_cpu = tasks.train(cpu.payload, None, shard, _spec(model, "@numpy", round=1, **spec))
     again_gpu = tasks.train(gpu.payload, None, shard, _spec(model, GPU, round=1, **spec))
-    _close(again_gpu.payload, again_cpu.payload, rel=1e-3)
+    _close(again_gpu.payload, again_cpu.payload, params, rel_all=3e-2, rel_key=0.3)
 
 
 @pytest.mark.parametrize("model", ["resnet20", "cifar10-2015"])
@@ -102,19 +113,19 @@ def test_gradient_and_update_on_gpu_match_cpu(model):
     cpu = tasks.train(params, None, shard, _spec(model, "@numpy", mode="gradient"))
     gpu = tasks.train(params, None, shard, _spec(model, GPU, mode="gradient"))
     _host_only(gpu.payload)
-    _close(gpu.payload, cpu.payload, rel=1e-3)
+    _close(gpu.payload, cpu.payload, rel_all=2e-3, rel_key=3e-2)  # gradients and BN statistics
     assert gpu.metrics["correct"] == cpu.metrics["correct"] and gpu.metrics["finite"]
     new_cpu, opt_cpu = tasks.update(params, None, cpu.payload, _spec(model, "@numpy"))
     new_gpu, opt_gpu = tasks.update(params, None, cpu.payload, _spec(model, GPU))
     _host_only(new_gpu), _host_only(opt_gpu)
-    _close(new_gpu, new_cpu)
+    _close(new_gpu, new_cpu, params)
     _close(opt_gpu, opt_cpu)
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_gpu_task_is_deterministic_and_leaves_inputs_alone(model):
     params, shard = tasks.init_params(model, 10, seed=0), _shard()
-    first = tasks.train(params, None, shard, _spec(model, GPU, optimizer="adam", lrs=(1e-3,) * 3))
+    first = tasks.train(params, None, shard, _spec(model, GPU, optimizer="adam", lrs=(1e-3,) * 2))
     snapshot = {k: v.copy() for k, v in first.opt.items()}
     params_before = {k: v.copy() for k, v in params.items()}
     a = tasks.train(first.payload, first.opt, shard, _spec(model, GPU, optimizer="adam", round=1))
