@@ -74,20 +74,26 @@ def _data(batch: int, steps: int):
     return images, labels.astype(np.int64), n
 
 
-def _kernel_seconds(step, steps: int) -> float | None:
-    """Sum of GPU kernel durations over ``steps`` calls of ``step`` (torch.profiler/CUPTI)."""
+def _kernel_seconds(step, steps: int):
+    """(sum of GPU kernel durations, the 5 longest kernels) over ``steps`` calls of ``step``.
+
+    torch.profiler's CUDA activity (CUPTI) records every kernel on the device, CuPy's too.
+    """
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
     except Exception:
-        return None
+        return None, []
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
         for i in range(steps):
             step(i)
         torch.cuda.synchronize()
-    total_us = sum(getattr(e, "self_device_time_total", 0.0) for e in prof.key_averages())
-    return total_us / 1e6 if total_us else None
+    kernels = [(e.key, getattr(e, "self_device_time_total", 0.0)) for e in prof.key_averages()]
+    total_us = sum(us for _, us in kernels)
+    top = [(name[:60], round(us / steps / 1e3, 3))
+           for name, us in sorted(kernels, key=lambda kv: -kv[1])[:5]]
+    return (total_us / 1e6 if total_us else None), top
 
 
 def _timed_loop(step, sync, warmup: int, steps: int, batch: int, profile_steps: int = 10,
@@ -107,13 +113,14 @@ def _timed_loop(step, sync, warmup: int, steps: int, batch: int, profile_steps: 
             step(i)
         sync()
         wall = time.perf_counter() - start
-    kernels = _kernel_seconds(step, profile_steps)
+    kernels, top = _kernel_seconds(step, profile_steps)
     per_step = wall / steps
     out = {"img_s": round(batch * steps / wall, 1), "gpu_util": util.mean,
            "step_ms": round(per_step * 1e3, 3)}
     if kernels is not None:
         out["kernel_ms"] = round(kernels / profile_steps * 1e3, 3)
         out["kernel_fraction"] = round(min(1.0, kernels / profile_steps / per_step), 3)
+        out["top_kernels_ms"] = top
     return out
 
 
@@ -226,12 +233,16 @@ def bench_chainer(model: str, batch: int, steps: int, warmup: int, type_check: b
 
 
 # ------------------------------------------------------------------------------ (c), (d) ours
-def bench_pipeline(model: str, batch: int, steps: int, replicas: int, variant: str,
-                   cpu_workers: int, skip_rounds: int = 2, mix_every: int = 20) -> dict:
-    """Steady-state training images/s of ``pipeline.train`` on the embedded GPU cluster."""
+def bench_pipeline(model: str, batch: int, rounds: int, mix_every: int, replicas: int,
+                   variant: str, cpu_workers: int, skip_rounds: int = 1) -> dict:
+    """Steady-state training images/s of ``pipeline.train`` on the embedded GPU cluster.
+
+    ``rounds`` rounds of ``mix_every`` steps, two rounds an epoch; the first ``skip_rounds``
+    (CuPy compiling its kernels, the cluster warming up) are not counted.
+    """
     from pipeline import Config, train
     n_train = batch * replicas * mix_every * 2  # two rounds an epoch
-    epochs = max(1, steps // (mix_every * 2))
+    epochs = max(1, rounds // 2)
     cluster = {"serial": {}, "threads": {"cluster.gpu_threads": replicas},
                "processes": {"cluster.gpu_workers_per_device": replicas}}[variant]
     cfg = Config().replace(**{
@@ -256,7 +267,10 @@ def main(argv=None):
     p.add_argument("--models", default="cifar10-2015,resnet20")
     p.add_argument("--batches", default="100,512")
     p.add_argument("--steps", type=int, default=200, help="timed steps of the bare loops")
-    p.add_argument("--pipeline-steps", type=int, default=120, help="steps of a pipeline run")
+    p.add_argument("--single-images", type=int, default=20000,
+                   help="images per round of our single (a round is one train- task)")
+    p.add_argument("--rounds", type=int, default=4, help="rounds of each pipeline run")
+    p.add_argument("--ipm-mix-every", type=int, default=10, help="H of the ipm runs")
     p.add_argument("--cpu-workers", type=int, default=4, help="augmenting CPU workers")
     p.add_argument("--replicas", default="2,4")
     p.add_argument("--variants", default="serial,threads,processes")
@@ -275,20 +289,21 @@ def main(argv=None):
             row["chainer"] = bench_chainer(model, batch, a.steps, 20)  # as our tasks run it
             row["chainer-typecheck"] = bench_chainer(model, batch, a.steps, 20, type_check=True)
             cupy.get_default_memory_pool().free_all_blocks()
-            row["single"] = bench_pipeline(model, batch, a.pipeline_steps, 1, "serial",
-                                           a.cpu_workers)
+            row["single"] = bench_pipeline(model, batch, a.rounds, max(1, a.single_images // batch),
+                                           1, "serial", a.cpu_workers)
             if not a.skip_ipm and str(batch) in a.ipm_batches.split(","):
                 for k in (int(r) for r in a.replicas.split(",")):
                     for variant in a.variants.split(","):
                         row[f"ipm{k}-{variant}"] = bench_pipeline(
-                            model, batch, a.pipeline_steps, k, variant, a.cpu_workers)
+                            model, batch, a.rounds + 2, a.ipm_mix_every, k, variant,
+                            a.cpu_workers)
             r = ratios[key] = {
                 "single_over_chainer": round(row["single"]["img_s"] / row["chainer"]["img_s"], 3),
                 "chainer_over_torch": round(row["chainer"]["img_s"] / row["torch"]["img_s"], 3),
                 "type_check_off_gain": round(row["chainer"]["img_s"]
                                              / row["chainer-typecheck"]["img_s"], 3)}
             for name, fig in row.items():
-                if name.startswith("ipm"):
+                if name.startswith("ipm"):  # (d)/(c); ipm's rounds are shorter (H = 10)
                     r[f"{name}_over_single"] = round(fig["img_s"] / row["single"]["img_s"], 3)
             print(key, {n: f["img_s"] for n, f in row.items()}, r, flush=True)
     print(f"{'config':22}{'run':22}{'img/s':>10}{'GPU %':>8}{'kernel/step':>13}")
