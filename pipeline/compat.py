@@ -194,10 +194,12 @@ def cuda_status(check_device: bool = False) -> str | None:
     if not cuda.available:
         error = getattr(cuda, "_resolution_error", None)
         if isinstance(error, ModuleNotFoundError) and error.name == "cupy":
-            return "CuPy is not installed (pip install cupy-cuda13x or cupy-cuda12x, matching the CUDA driver)"
+            return ("CuPy is not installed (pip install 'cupy-cuda13x[ctk]' or 'cupy-cuda12x[ctk]', "
+                    "matching the CUDA driver)")
         detail = " ".join(str(error).split()) or type(error).__name__
-        hint = ("; install the CUDA libraries too: pip install 'cupy-cuda13x[ctk]' (or the CUDA "
-                "toolkit)" if "libcublas" in detail or "Failure finding" in detail else "")
+        package = packages[0] if packages else "cupy-cuda13x"
+        hint = (f"; install the CUDA libraries too: pip install '{package}[ctk]' (or the CUDA "
+                f"toolkit)" if "libcublas" in detail or "Failure finding" in detail else "")
         return f"Chainer's CUDA backend cannot load CuPy: {detail[:300]}{hint}"
     if check_device:
         try:
