@@ -20,14 +20,34 @@ def _check(condition: bool, name: str, message: str, value) -> None:
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "synthetic"  # "synthetic", "synthetic:N:M" (train:test images), or a CIFAR path
+    source: str = "synthetic"  # "synthetic", "synthetic:N:M" (train:test images), a CIFAR path,
+    #                            an image folder (root/<class>/<image>) or a file list (path label)
     cache_dir: str | None = None  # where downloads go; None = ~/.cache/dask-chainer-pipeline
     download: bool = False  # fetch the official archive (MD5-checked) into cache_dir when missing
     dataset: str = "cifar10"  # cifar10 | cifar100 (python format) ; label kind below for cifar100
     label_kind: str = "fine"  # CIFAR-100 only: "fine" (100 classes) or "coarse" (20)
+    # Image folders and file lists (pipeline.imagefolder):
+    image_size: int | None = None  # side of the square images the model sees (pixels);
+    #                                None = 64 for image sources (CIFAR is always 32)
+    val_fraction: float = 0.1  # share of each class held out for val when there is no val split
+    val_source: str | None = None  # a folder or file list to use as the val split instead
+    image_root: str | None = None  # file lists: where relative paths start (None: the list's dir)
+    split_seed: int = 0  # seed of the held-out val split (a property of the data, not the run)
+    cache: str = "auto"  # keep decoded training images on the workers: auto (if they fit) | on | off
+    max_pixels: int = 1 << 26  # images with more pixels (width x height) are refused
+    decode_chunk: int = 128  # images per scan- / decode- task
 
     def validate(self) -> None:
         _check(bool(self.source), "data.source", "must not be empty", self.source)
+        _check(self.image_size is None or 8 <= self.image_size <= 1024, "data.image_size",
+               "must be in [8, 1024] pixels", self.image_size)
+        _check(0 < self.val_fraction < 1, "data.val_fraction", "must be in (0, 1)",
+               self.val_fraction)
+        _check(self.split_seed >= 0, "data.split_seed", "must be >= 0", self.split_seed)
+        _check(self.cache in ("auto", "on", "off"), "data.cache", "must be auto, on or off",
+               self.cache)
+        _check(self.max_pixels >= 1, "data.max_pixels", "must be >= 1", self.max_pixels)
+        _check(self.decode_chunk >= 1, "data.decode_chunk", "must be >= 1", self.decode_chunk)
         _check(self.dataset in ("cifar10", "cifar100"), "data.dataset", "must be cifar10 or cifar100",
                self.dataset)
         _check(self.label_kind in ("fine", "coarse"), "data.label_kind", "must be fine or coarse",

@@ -1,7 +1,9 @@
-"""CIFAR as a Dask graph: resolve a ``--data`` source, download it on request, one ``load-`` task per file.
+"""Datasets as Dask graphs: pick the reader of a ``--data`` source, download CIFAR on request, one read task per chunk.
 
-The file formats live in ``pipeline.cifar`` (pure); this module only decides where the data is and
-wires :func:`pipeline.cifar.load` into a graph::
+Readers are peers registered in :data:`READERS` (``pipeline.readers``): synthetic, file lists and
+image folders (``pipeline.image_readers``, ``decode-`` tasks), CIFAR python / binary / CIFAR-100
+(``pipeline.cifar``, ``load-`` tasks). The file formats are pure modules; this module only decides
+where the data is and wires a reader's task body into a graph, e.g. for CIFAR::
 
     ("load-<token>", i)            -> (images, labels) of batch file i      one read per file
     ("images-<token>", i, 0, 0, 0) -> getitem(load i, 0)   (n_i, 3, 32, 32) uint8
@@ -26,9 +28,10 @@ from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 from dask.task_spec import Task, TaskRef
 
-from pipeline import cifar
+from pipeline import cifar, image_readers
 from pipeline.config import DataConfig
 from pipeline.errors import DataError
+from pipeline.readers import Plan, Reader
 
 BASE_URL = "https://www.cs.toronto.edu/~kriz/"
 # (dataset, format) -> (official archive, its published MD5); both from BASE_URL + "cifar.html"
@@ -46,35 +49,31 @@ SYNTHETIC_SEED = 0  # data seed of the on-the-fly synthetic sources (same as `sy
 
 
 class Dataset(NamedTuple):
-    """CIFAR as lazy dask arrays; nothing is read until they are computed."""
-    train_images: da.Array  # (N, 3, 32, 32) uint8, one chunk per batch file
+    """A dataset as lazy dask arrays; nothing is read until they are computed."""
+    train_images: da.Array  # (N, 3, H, W) uint8 (CIFAR 32x32), one chunk per batch file / chunk
     train_labels: da.Array  # (N,) int32, same chunks
-    test_images: da.Array  # (M, 3, 32, 32) uint8
+    test_images: da.Array  # (M, 3, H, W) uint8
     test_labels: da.Array  # (M,) int32
     label_names: list[str]
     n_classes: int
     source: str  # what was loaded: "synthetic:N:M" or the resolved path
+    stream: object = None  # image sources: the training files for decoding them again each epoch
+    #                        when they are not cached (pipeline.image_readers.Stream)
 
 
-class _Plan(NamedTuple):
-    """Where every chunk comes from and what it holds, known before any task runs."""
-    train: tuple  # cifar.BatchFile | cifar.SyntheticChunk, with image counts
-    test: tuple
-    label_names: tuple[str, ...]
-    class_counts_train: tuple[int, ...]
-    ident: tuple  # what the data is; the load- tokens derive from it
-    source: str
-
-
-def load_dataset(source: str, cfg: DataConfig | None = None, download: bool = False) -> Dataset:
-    """A CIFAR source -> :class:`Dataset` of dask arrays, one ``load-`` task per batch file.
+def load_dataset(source: str, cfg: DataConfig | None = None, download: bool = False,
+                 client=None) -> Dataset:
+    """A source -> :class:`Dataset` of dask arrays, one ``load-`` (CIFAR) or ``decode-`` (image
+    folder, file list) task per chunk.
 
     ``source``: ``"synthetic"`` (5,000 train / 1,000 test made in the load- tasks, data seed 0),
     ``"synthetic:N:M"``, a CIFAR directory or official tarball, or ``cifar10`` / ``cifar10-binary``
     / ``cifar100`` for the official archive in the cache. With ``download`` (or
     ``cfg.download``) a missing official archive is fetched, MD5-checked; a present one is used.
     ``cfg`` gives the cache directory and, for CIFAR-100, the label kind; ``source`` wins over
-    ``cfg.source``. Bad data raises DataError here, before any task runs.
+    ``cfg.source``. Bad data raises DataError here, before any training task runs: CIFAR files
+    are read on the client, image files checked by ``scan-`` tasks (on ``client`` when given, else
+    on dask's default scheduler).
 
     Compute or persist images and labels together (as :func:`dataset_arrays` does): then each
     file is read once and the scheduler shows ``load``, ``images`` and ``labels`` tasks. Alone,
@@ -84,11 +83,11 @@ def load_dataset(source: str, cfg: DataConfig | None = None, download: bool = Fa
     >>> ds.train_images.shape, ds.train_images.chunks[0], ds.test_labels.dtype
     ((50, 3, 32, 32), (10, 10, 10, 10, 10), dtype('int32'))
     """
-    plan = _plan(source, cfg or DataConfig(), download)
-    train_images, train_labels = _arrays(plan.train, "train", plan.ident)
-    test_images, test_labels = _arrays(plan.test, "test", plan.ident)
+    plan = _plan(source, cfg or DataConfig(), download, client)
+    train_images, train_labels = _arrays(plan, plan.train, "train")
+    test_images, test_labels = _arrays(plan, plan.test, "test")
     return Dataset(train_images, train_labels, test_images, test_labels, list(plan.label_names),
-                   len(plan.label_names), plan.source)
+                   len(plan.label_names), plan.source, plan.stream)
 
 
 def inspect_dataset(source: str, download: bool = False, cfg: DataConfig | None = None) -> dict:
@@ -100,9 +99,10 @@ def inspect_dataset(source: str, download: bool = False, cfg: DataConfig | None 
     """
     plan = _plan(source, cfg or DataConfig(), download)
     return {"train": sum(c.n for c in plan.train), "test": sum(c.n for c in plan.test),
-            "classes": len(plan.label_names), "shape": list(cifar.IMAGE_SHAPE),
+            "classes": len(plan.label_names), "shape": list(plan.image_shape),
             "label_names": list(plan.label_names),
-            "class_counts_train": [int(c) for c in plan.class_counts_train]}
+            "class_counts_train": [int(c) for c in plan.class_counts_train],
+            **(plan.info or {})}
 
 
 def dataset_arrays(dataset: Dataset) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -133,30 +133,50 @@ def parse_synthetic(source: str) -> tuple[int, int] | None:
     return int(match.group(1)), int(match.group(2))
 
 
-def _plan(source: str, cfg: DataConfig, download: bool) -> _Plan:
+def _plan(source: str, cfg: DataConfig, download: bool, client=None) -> Plan:
     cfg.validate()
     source = os.fspath(source)
-    sizes = parse_synthetic(source)
-    if sizes is not None:
-        return _synthetic_plan(*sizes, seed=SYNTHETIC_SEED)
+    reader = next(r for r in READERS if r.claims(source, cfg))
+    if reader.name in ("synthetic", "cifar") and cfg.image_size not in (None, 32):
+        raise DataError(f"data.image_size {cfg.image_size} applies to image folders and file "
+                        f"lists; {reader.name} images are 32x32")
+    return reader.plan(source, cfg, download, client)
+
+
+def _cifar_plan(source: str, cfg: DataConfig, download: bool, client=None) -> Plan:
     path = resolve_source(source, cfg, download or cfg.download)
     # Shapes and chunk sizes must be known before anything is computed: the scan reads every
     # batch file once here, on the client, validating it (so bad data fails before a graph
     # runs) and counting images and classes; the load- tasks then read each file once more.
     catalog = cifar.scan(path, cfg.label_kind, cfg.dataset)
-    return _Plan(catalog.train, catalog.test, catalog.label_names, catalog.class_counts_train,
-                 (catalog.layout, cfg.label_kind, catalog.stamp), path)
+    return Plan(catalog.train, catalog.test, catalog.label_names, catalog.class_counts_train,
+                (catalog.layout, cfg.label_kind, catalog.stamp), path, cifar.load)
 
 
-def _synthetic_plan(n_train: int, n_test: int, seed: int) -> _Plan:
+def _synthetic_reader_plan(source: str, cfg: DataConfig, download: bool, client=None) -> Plan:
+    return _synthetic_plan(*parse_synthetic(source), seed=SYNTHETIC_SEED)
+
+
+def _synthetic_plan(n_train: int, n_test: int, seed: int) -> Plan:
     # Five training chunks like the five batch files (fewer when there are fewer images).
     sizes = cifar.split_sizes(n_train, min(cifar.TRAIN_BATCHES, n_train))
     train = tuple(cifar.SyntheticChunk(seed, "train", i, n) for i, n in enumerate(sizes))
     test = (cifar.SyntheticChunk(seed, "test", 0, n_test),)
     counts = sum(np.bincount(cifar.synthetic_labels(seed, "train", c.index, c.n), minlength=10)
                  for c in train)
-    return _Plan(train, test, cifar.CIFAR10_LABEL_NAMES, tuple(int(c) for c in counts),
-                 ("synthetic", seed, n_train, n_test), f"synthetic:{n_train}:{n_test}")
+    return Plan(train, test, cifar.CIFAR10_LABEL_NAMES, tuple(int(c) for c in counts),
+                ("synthetic", seed, n_train, n_test), f"synthetic:{n_train}:{n_test}", cifar.load)
+
+
+# The reader registry, tried in order: the first that claims a source plans it. A new format is
+# one module with a Reader and its line here.
+READERS: tuple[Reader, ...] = (
+    Reader("synthetic", lambda source, cfg: parse_synthetic(source) is not None,
+           _synthetic_reader_plan),
+    image_readers.FILE_LIST,  # lines "path label" (.txt, .lst, ...)
+    image_readers.IMAGE_FOLDER,  # a directory of class folders without CIFAR data in it
+    Reader("cifar", lambda source, cfg: True, _cifar_plan),  # python, binary, CIFAR-100, tarballs
+)
 
 
 def resolve_source(source: str, cfg: DataConfig, download: bool = False) -> str:
@@ -188,7 +208,8 @@ def resolve_source(source: str, cfg: DataConfig, download: bool = False) -> str:
         return fetch(cfg.dataset, "python", path)
     if not os.path.exists(path):
         raise DataError(f"{source}: no such file or directory (expected synthetic, "
-                        "synthetic:N:M, a CIFAR directory or tarball, or --download)")
+                        "synthetic:N:M, a CIFAR directory or tarball, an image folder, a file "
+                        "list, or --download)")
     return path
 
 
@@ -231,11 +252,12 @@ def fetch(dataset: str = "cifar10", fmt: str = "python", cache_dir: str | None =
 # The graph
 
 
-def _arrays(chunks: tuple, split: str, ident: tuple) -> tuple[da.Array, da.Array]:
-    """One ``load-`` task per chunk, and the images and labels arrays that pick from them."""
-    token = tokenize(ident, split)[:8]
-    load, images, labels = (f"{prefix}-{token}" for prefix in ("load", "images", "labels"))
-    load_layer = {(load, i): Task((load, i), cifar.load, chunk) for i, chunk in enumerate(chunks)}
+def _arrays(plan: Plan, chunks: tuple, split: str) -> tuple[da.Array, da.Array]:
+    """One read task (``load-`` or ``decode-``) per chunk, and the images and labels arrays that
+    pick from them."""
+    token = tokenize(plan.ident, split)[:8]
+    load, images, labels = (f"{prefix}-{token}" for prefix in (plan.stage, "images", "labels"))
+    load_layer = {(load, i): Task((load, i), plan.read, chunk) for i, chunk in enumerate(chunks)}
     image_layer = {(images, i, 0, 0, 0): Task((images, i, 0, 0, 0), operator.getitem,
                                               TaskRef((load, i)), 0) for i in range(len(chunks))}
     label_layer = {(labels, i): Task((labels, i), operator.getitem, TaskRef((load, i)), 1)
@@ -245,7 +267,8 @@ def _arrays(chunks: tuple, split: str, ident: tuple) -> tuple[da.Array, da.Array
     def graph(name, layer):
         return HighLevelGraph({load: load_layer, name: layer}, {load: set(), name: {load}})
 
-    return (da.Array(graph(images, image_layer), images, (sizes, (3,), (32,), (32,)),
+    shape = tuple((d,) for d in plan.image_shape)
+    return (da.Array(graph(images, image_layer), images, (sizes, *shape),
                      meta=np.empty((0, 0, 0, 0), np.uint8)),
             da.Array(graph(labels, label_layer), labels, (sizes,),
                      meta=np.empty((0,), np.int32)))
