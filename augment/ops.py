@@ -346,3 +346,99 @@ def normalize(images, mean=CIFAR10_MEAN, std=CIFAR10_STD):
     out -= xp.asarray(mean.reshape(1, c, 1, 1))
     out *= xp.asarray((np.float32(1) / std).reshape(1, c, 1, 1))
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# crops that change the scale (image folders)
+
+
+# Bilinear weights in fixed point with 8 fractional bits: integer arithmetic end to end, so NumPy
+# and CuPy give the same bytes. Rows then columns: 255 * 256 fits uint16, 65280 * 256 fits uint32.
+_WBITS = 8
+
+
+def _bilinear_taps(start, length, out: int, size: int, flip=None):
+    """Source taps of ``out`` output pixels resampling [start, start + length) of an axis.
+
+    Pixel centres map as in PIL and torchvision (``align_corners=False``): output pixel i samples
+    ``start + (i + 0.5) * length / out - 0.5``, clamped to the axis. Returns host (N, out) int64
+    lower taps, upper taps and uint16 weights of the upper tap in 1/256; ``flip`` (N,) bool
+    reverses an image's output order (a mirror fused into the gather).
+    """
+    start, length = np.asarray(start, np.float64), np.asarray(length, np.float64)
+    pos = start[:, None] + (np.arange(out) + 0.5)[None, :] * (length[:, None] / out) - 0.5
+    pos = np.clip(pos, 0, size - 1)
+    lo = np.floor(pos).astype(np.int64)
+    weight = np.rint((pos - lo) * (1 << _WBITS)).astype(np.uint16)
+    hi = np.minimum(lo + 1, size - 1)
+    if flip is not None and flip.any():
+        lo[flip], hi[flip], weight[flip] = lo[flip, ::-1], hi[flip, ::-1], weight[flip, ::-1]
+    return lo, hi, weight
+
+
+def resized_crop(images, top, left, height, width, size: tuple, flip=None):
+    """Crop the box (top, left, height, width) of each image and resize it to ``size`` bilinearly,
+    mirrored left-right where ``flip``: torchvision's ``resized_crop`` (no antialiasing, so meant
+    for boxes no more than ~1.5x the output; RandomResizedCrop's boxes are at most the image).
+
+    images: (N, C, H, W) uint8 (NumPy or CuPy); top, left, height, width: (N,) ints, the box inside
+    the image; size: (out_h, out_w); flip: (N,) bool or None. Returns (N, C, out_h, out_w) uint8.
+    Four row gathers with host-built index arrays, no loop over images.
+
+    >>> x = np.arange(16, dtype=np.uint8).reshape(1, 1, 4, 4) * 10
+    >>> resized_crop(x, [1], [1], [2], [2], (2, 2))[0, 0].tolist()
+    [[50, 60], [90, 100]]
+    >>> resized_crop(x, [0], [0], [4], [4], (2, 2), flip=[True])[0, 0].tolist()
+    [[45, 25], [125, 105]]
+    """
+    check_images(images)
+    xp = array_module(images)
+    n, c, h, w = images.shape
+    out_h, out_w = (int(s) for s in size)
+    top, left = _host_rows(top, n, "top", np.int64), _host_rows(left, n, "left", np.int64)
+    height = _host_rows(height, n, "height", np.int64)
+    width = _host_rows(width, n, "width", np.int64)
+    flip = None if flip is None else _host_rows(flip, n, "flip", bool)
+    if n and (top.min() < 0 or left.min() < 0 or height.min() < 1 or width.min() < 1
+              or (top + height).max() > h or (left + width).max() > w):
+        raise ValueError(f"crop boxes must lie inside the {h}x{w} images")
+    if n == 0:
+        return xp.zeros((0, c, out_h, out_w), xp.uint8)
+    y0, y1, wy = _bilinear_taps(top, height, out_h, h)
+    x0, x1, wx = _bilinear_taps(left, width, out_w, w, flip)
+    # Rows: gather whole rows of W bytes from the flat (N*C*H, W) view.
+    base = (np.arange(n)[:, None] * c + np.arange(c)[None, :]) * h  # (N, C)
+    flat = images.reshape(n * c * h, w)
+
+    def rows(index):  # (N, C, out_h, W)
+        return flat[xp.asarray(base[:, :, None] + index[:, None, :])].astype(xp.uint16)
+
+    wy = xp.asarray(wy[:, None, :, None])
+    v = rows(y0) * ((1 << _WBITS) - wy) + rows(y1) * wy
+    # Columns: move W in front so that each gathered column is one contiguous run of C*out_h.
+    v = xp.ascontiguousarray(v.transpose(0, 3, 1, 2)).reshape(n * w, c * out_h)
+
+    def cols(index):  # (N, out_w, C*out_h)
+        return v[xp.asarray(np.arange(n)[:, None] * w + index)].astype(xp.uint32)
+
+    wx = xp.asarray(wx[:, :, None]).astype(xp.uint32)
+    acc = cols(x0) * ((1 << _WBITS) - wx) + cols(x1) * wx
+    out = ((acc + (1 << (2 * _WBITS - 1))) >> (2 * _WBITS)).astype(xp.uint8)
+    return xp.ascontiguousarray(out.reshape(n, out_w, c, out_h).transpose(0, 2, 3, 1))
+
+
+def center_crop(images, size: int):
+    """The centred ``size`` x ``size`` window of each image (a slice; the evaluation crop after a
+    resize of the shorter side, as torchvision's Resize + CenterCrop).
+
+    (N, C, H, W) uint8 with H, W >= size -> (N, C, size, size).
+
+    >>> center_crop(np.arange(25, dtype=np.uint8).reshape(1, 1, 5, 5), 3)[0, 0, 0].tolist()
+    [6, 7, 8]
+    """
+    check_images(images)
+    h, w = images.shape[2:]
+    if not 1 <= size <= min(h, w):
+        raise ValueError(f"center_crop size must be in [1, {min(h, w)}], got {size}")
+    y0, x0 = (h - size) // 2, (w - size) // 2
+    return images[:, :, y0:y0 + size, x0:x0 + size]

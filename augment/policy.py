@@ -126,7 +126,58 @@ class BrightnessContrast:
         return kernels.brightness_contrast(images, params["brightness"], params["contrast"])
 
 
-OPS = (PadCrop, Translate, Flip, Cutout, BrightnessContrast)
+@dataclass(frozen=True)
+class RandomResizedCrop:
+    """torchvision's RandomResizedCrop to the input's own size: a box of a uniform share of the
+    area in ``scale`` and a log-uniform aspect ratio in ``ratio`` (first of 10 draws that fits,
+    else the whole image clamped to the ratio range), at a uniform position, resized bilinearly.
+
+    The default scale keeps at least a quarter of the area: torchvision's 0.08 suits 224-pixel
+    crops of full photos, but leaves about 18 pixels of a 64-pixel image.
+    """
+    scale: tuple = (0.25, 1.0)  # share of the image area the box covers, (min, max)
+    ratio: tuple = (3 / 4, 4 / 3)  # box width / height, (min, max)
+
+    attempts = 10  # draws per image before the fallback (torchvision's number)
+
+    def __post_init__(self):
+        lo, hi = self.scale
+        _check(0 < lo <= hi <= 1, "RandomResizedCrop.scale", "must satisfy 0 < min <= max <= 1",
+               self.scale)
+        _check(0 < self.ratio[0] <= self.ratio[1], "RandomResizedCrop.ratio",
+               "must satisfy 0 < min <= max", self.ratio)
+
+    def sample(self, rng: np.random.Generator, n: int) -> dict:
+        # Shares and offsets as fractions: the image size is only known at apply time.
+        k = self.attempts
+        return {"area": rng.uniform(*self.scale, (n, k)),
+                "log_ratio": rng.uniform(*np.log(self.ratio), (n, k)),
+                "u": rng.random(n), "v": rng.random(n)}
+
+    def boxes(self, params: dict, h: int, w: int) -> tuple:
+        """(top, left, height, width) int arrays of the boxes in an h x w image."""
+        area, ratio = params["area"] * h * w, np.exp(params["log_ratio"])
+        bw = np.rint(np.sqrt(area * ratio)).astype(np.int64)
+        bh = np.rint(np.sqrt(area / ratio)).astype(np.int64)
+        fits = (bw >= 1) & (bw <= w) & (bh >= 1) & (bh <= h)
+        first = np.argmax(fits, axis=1)
+        rows = np.arange(len(first))
+        bh, bw = bh[rows, first], bw[rows, first]
+        lo, hi = self.ratio
+        whole_w, whole_h = (min(w, int(round(h * hi))), h) if w / h > hi else \
+            ((w, min(h, int(round(w / lo)))) if w / h < lo else (w, h))
+        none = ~fits.any(axis=1)
+        bh[none], bw[none] = whole_h, whole_w
+        top = np.floor(params["u"] * (h - bh + 1)).astype(np.int64)
+        left = np.floor(params["v"] * (w - bw + 1)).astype(np.int64)
+        return top, left, bh, bw
+
+    def apply(self, images, params: dict, flip=None):
+        h, w = images.shape[2:]
+        return kernels.resized_crop(images, *self.boxes(params, h, w), (h, w), flip)
+
+
+OPS = (PadCrop, Translate, Flip, Cutout, BrightnessContrast, RandomResizedCrop)
 
 
 @dataclass(frozen=True)
@@ -177,6 +228,9 @@ class Compose:
                 sy, sx = op.shifts(params[i])
                 images = kernels.shift_flip(images, sy, sx, params[i + 1]["flip"], op.mode)
                 i += 2
+            elif isinstance(op, RandomResizedCrop) and isinstance(nxt, Flip):
+                images = op.apply(images, params[i], params[i + 1]["flip"])  # one gather
+                i += 2
             else:
                 images = op.apply(images, params[i])
                 i += 1
@@ -192,6 +246,8 @@ POLICIES = {
     "flip": Compose([Flip()]),
     "cifar": Compose([PadCrop(4), Flip()]),  # the standard CIFAR policy (He et al. 2016)
     "cifar-cutout": Compose([PadCrop(4), Flip(), Cutout(8)]),  # + cutout 8 px (DeVries 2017)
+    # image folders: torchvision's ImageNet training transform at the decoded size
+    "resized-crop": Compose([RandomResizedCrop(), Flip()]),
 }
 
 
@@ -203,7 +259,7 @@ def get_policy(name: str) -> Compose:
     >>> get_policy("x")
     Traceback (most recent call last):
     ...
-    ValueError: augment.policy must be one of ['none', 'flip', 'cifar', 'cifar-cutout'], got 'x'
+    ValueError: augment.policy must be one of ['none', 'flip', 'cifar', 'cifar-cutout', 'resized-crop'], got 'x'
     """
     if name not in POLICIES:
         raise ValueError(f"augment.policy must be one of {list(POLICIES)}, got {name!r}")

@@ -32,14 +32,24 @@ def _run_synth(args):
 
 def _add_inspect(sub):
     p = sub.add_parser("inspect", help="print counts, shape and class histogram of a dataset as JSON")
-    p.add_argument("--data", required=True, help="synthetic[:N:M], a CIFAR directory or tarball")
+    p.add_argument("--data", required=True, help="synthetic[:N:M], a CIFAR directory or tarball, "
+                   "an image folder or a file list")
     p.add_argument("--download", action="store_true", help="fetch the official archive if missing")
+    p.add_argument("--image-size", type=int, default=None, help="image folders/lists: pixels")
+    p.add_argument("--val-data", default=None, help="image folders/lists: the val split")
+    p.add_argument("--val-fraction", type=float, default=None, help="share held out for val")
+    p.add_argument("--image-root", default=None, help="file lists: where relative paths start")
     p.set_defaults(func=_run_inspect)
 
 
 def _run_inspect(args):
+    import dataclasses
+    from pipeline.config import DataConfig
     from pipeline.data import inspect_dataset
-    print(json.dumps(inspect_dataset(args.data, download=args.download)))
+    given = {"image_size": args.image_size, "val_source": args.val_data,
+             "val_fraction": args.val_fraction, "image_root": args.image_root}
+    cfg = dataclasses.replace(DataConfig(), **{k: v for k, v in given.items() if v is not None})
+    print(json.dumps(inspect_dataset(args.data, download=args.download, cfg=cfg)))
 
 
 def _add_fetch(sub):

@@ -12,7 +12,16 @@ from pipeline.errors import UsageError
 
 # --flag -> dotted config field; argparse leaves unset options None so a resume can tell them apart.
 _TRAIN_OPTIONS = [
-    ("--data", "data.source", str, "synthetic, synthetic:N:M, or a CIFAR directory/tarball"),
+    ("--data", "data.source", str, "synthetic, synthetic:N:M, a CIFAR directory/tarball, an "
+     "image folder (root/<class>/<image>, optional train/ and val/) or a file list (path label)"),
+    ("--image-size", "data.image_size", int, "image folders/lists: side of the square images "
+     "(pixels, default 64)"),
+    ("--val-fraction", "data.val_fraction", float, "image folders/lists without val/: share of "
+     "each class held out (default 0.1)"),
+    ("--val-data", "data.val_source", str, "image folders/lists: a folder or file list as val split"),
+    ("--image-root", "data.image_root", str, "file lists: where relative paths start "
+     "(default: the list's directory)"),
+    ("--cache", "data.cache", str, "keep decoded images on the workers: auto | on | off"),
     ("--model", "model.name", str, "cifar10-2015 | resnet20 | small-cnn"),
     ("--strategy", "train.strategy", str, "single | gradient | mixture | ipm"),
     ("--replicas", "train.replicas", int, "K model replicas (independent of workers)"),
@@ -29,7 +38,8 @@ _TRAIN_OPTIONS = [
     ("--outer-momentum", "average.outer_momentum", float, "outer Nesterov momentum (DiLoCo)"),
     ("--optimizer-state", "average.optimizer_state", str, "keep | reset | average at a mix"),
     ("--fan-in", "average.fan_in", int, "children per average- task in the reduction tree"),
-    ("--augment", "augment.policy", str, "augmentation policy: none | flip | cifar | cifar-cutout"),
+    ("--augment", "augment.policy", str, "augmentation policy: none | flip | cifar | cifar-cutout "
+     "| resized-crop (image folders)"),
     ("--prefetch", "augment.prefetch", int, "rounds of augmentation computed ahead"),
     ("--seed", "seed", int, "run seed"),
     ("--checkpoint-every", "checkpoint_every", int, "checkpoint every N rounds (0: end only)"),
@@ -69,6 +79,11 @@ def add_subcommands(sub) -> None:
     e.add_argument("--weights", required=True, help="a model.npz written by train")
     e.add_argument("--data", required=True)
     e.add_argument("--tta", action="store_true")
+    e.add_argument("--image-size", type=int, default=None,
+                   help="image folders/lists: the size the model was trained at (default: from "
+                   "config.json beside the weights, else 64)")
+    e.add_argument("--val-data", default=None, help="image folders/lists: the val split to use")
+    e.add_argument("--image-root", default=None, help="file lists: where relative paths start")
     e.set_defaults(func=_run_evaluate)
 
     d = sub.add_parser("demo", help="the main job: synthesize or find data, preview, train ipm")
@@ -125,8 +140,30 @@ def summary_line(result) -> str:
 
 def _run_evaluate(args) -> int:
     from pipeline.evaluation import evaluate_weights
-    print(json.dumps(evaluate_weights(args.model, args.weights, args.data, tta=args.tta)))
+    data = _evaluate_data_config(args)
+    print(json.dumps(evaluate_weights(args.model, args.weights, args.data, tta=args.tta,
+                                      data=data)))
     return 0
+
+
+def _evaluate_data_config(args):
+    """The data section for evaluate: the training run's (config.json beside the weights) for
+    what it says about the images, overridden by the options given."""
+    import dataclasses
+    from pipeline.config import DataConfig
+    saved = Path(args.weights).parent / "config.json"
+    base = DataConfig()
+    try:
+        section = json.loads(saved.read_text()).get("data", {})
+        keep = {k: section[k] for k in ("image_size", "val_fraction", "split_seed", "max_pixels",
+                                         "image_root", "val_source") if k in section}
+        base = dataclasses.replace(base, **keep)
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass  # no readable config.json: the defaults
+    given = {"image_size": args.image_size, "val_source": args.val_data,
+             "image_root": args.image_root}
+    return dataclasses.replace(base, source=args.data,
+                               **{k: v for k, v in given.items() if v is not None})
 
 
 def _network_allows(host: str = "www.cs.toronto.edu", port: int = 443) -> bool:

@@ -39,8 +39,8 @@ class DataConfig:
 
     def validate(self) -> None:
         _check(bool(self.source), "data.source", "must not be empty", self.source)
-        _check(self.image_size is None or 8 <= self.image_size <= 1024, "data.image_size",
-               "must be in [8, 1024] pixels", self.image_size)
+        _check(self.image_size is None or 16 <= self.image_size <= 1024, "data.image_size",
+               "must be in [16, 1024] pixels", self.image_size)
         _check(0 < self.val_fraction < 1, "data.val_fraction", "must be in (0, 1)",
                self.val_fraction)
         _check(self.split_seed >= 0, "data.split_seed", "must be >= 0", self.split_seed)

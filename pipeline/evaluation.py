@@ -28,10 +28,11 @@ def load_weights(model_name: str, weights: str, n_classes: int):
 
 
 def evaluate_weights(model_name: str, weights: str, source: str, tta: bool = False,
-                     chunk: int = 1000) -> dict:
-    """``{"test_loss", "test_acc", "n"}`` of the weights on the test split of ``source``."""
+                     chunk: int = 1000, data=None) -> dict:
+    """``{"test_loss", "test_acc", "n"}`` of the weights on the test split of ``source`` (an
+    image source's val split); ``data``: the DataConfig that says how to read it."""
     from pipeline.data import load_dataset
-    ds = load_dataset(source)
+    ds = load_dataset(source, data)
     params = get_state(load_weights(model_name, weights, ds.n_classes))
     spec = tasks.EvalSpec(model_name, ds.n_classes, tta)
     images = ds.test_images.rechunk({0: chunk}).to_delayed().ravel()

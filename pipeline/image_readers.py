@@ -52,11 +52,14 @@ def claims_list(source: str, cfg: DataConfig) -> bool:
 
 
 def claims_folder(source: str, cfg: DataConfig) -> bool:
-    """A directory without CIFAR data in it is an image folder."""
+    """A directory without CIFAR data in it, or with a ``train/`` folder (CIFAR-100's ``train``
+    is a file), is an image folder."""
     from pipeline import cifar
     path = os.path.expanduser(source)
     if not os.path.isdir(path):
         return False
+    if os.path.isdir(os.path.join(path, "train")):
+        return True
     try:
         cifar.locate(path, cfg.dataset)
     except DataError:

@@ -85,7 +85,7 @@ class DecodeChunk:
     """The input of one ``decode-`` task: files, and how to decode them."""
     files: tuple  # ImageFile
     size: int  # side of the square output (pixels)
-    crop: float = 1.0  # fraction of the centred square kept (1: all of it; EVAL_CROP for val)
+    crop: float = 1.0  # share of the centred square's side kept (1: all; EVAL_CROP for val)
     max_pixels: int = MAX_PIXELS
 
     @property
@@ -388,32 +388,31 @@ def scan_files(files: tuple, max_pixels: int = MAX_PIXELS) -> tuple:
     return tuple(scan_file(f, max_pixels) for f in files)
 
 
-def _box(width: int, height: int, crop: float) -> tuple:
-    """The centred square that is kept: side ``crop * min(w, h)``, as a float box."""
-    side = min(width, height) * crop
+def _box(width: int, height: int) -> tuple:
+    """The centred square of the image, as a float box."""
+    side = min(width, height)
     x0, y0 = (width - side) / 2, (height - side) / 2
     return (x0, y0, x0 + side, y0 + side)
 
 
-def decode_file(f: ImageFile, size: int, crop: float = 1.0, max_pixels: int = MAX_PIXELS
-                ) -> np.ndarray:
-    """One image -> (3, size, size) uint8: the centred square of side ``crop * shorter side``,
-    resized (antialiased bilinear) to ``size``. JPEGs are decoded at the smallest DCT scale that
-    keeps at least ``size`` pixels across the square (libjpeg's draft mode), which makes large
-    photos several times cheaper than a full decode."""
+def decode_file(f: ImageFile, size: int, max_pixels: int = MAX_PIXELS) -> np.ndarray:
+    """One image -> (3, size, size) uint8: the centred square, resized (antialiased bilinear) to
+    ``size``. JPEGs are decoded at the smallest DCT scale that keeps at least ``size`` pixels
+    across the square (libjpeg's draft mode), several times cheaper than a full decode for
+    photos much larger than ``size`` (benchmarks/decode.py)."""
     from PIL import Image
     data = read_capped(f.path, MAX_FILE_BYTES)
     image = _open(f.path, data, max_pixels)
     orientation = _orientation(image)
     width, height = image.size
     if image.format == "JPEG":
-        scale = size / (min(width, height) * crop)
+        scale = size / min(width, height)
         image.draft("RGB" if image.mode == "RGB" else None,
                     (math.ceil(width * scale), math.ceil(height * scale)))
     _load(f.path, image)
     try:
         image = to_rgb(image)
-        image = image.resize((size, size), Image.BILINEAR, box=_box(*image.size, crop),
+        image = image.resize((size, size), Image.BILINEAR, box=_box(*image.size),
                              reducing_gap=3.0)
     except (OSError, ValueError) as exc:
         raise DataError(f"{f.path}: cannot convert {image.mode} to RGB ({_reason(exc)})") from None
@@ -440,10 +439,18 @@ _TRANSPOSES = _transposes()
 
 
 def decode_chunk(chunk: DecodeChunk) -> tuple[np.ndarray, np.ndarray]:
-    """The ``decode-`` task: ``(n, 3, size, size) uint8`` images and ``(n,) int32`` labels."""
-    images = np.empty((chunk.n, 3, chunk.size, chunk.size), np.uint8)
+    """The ``decode-`` task: ``(n, 3, size, size) uint8`` images and ``(n,) int32`` labels.
+
+    With ``crop < 1`` (evaluation) each image is decoded at ``size / crop`` and its centre kept
+    (`augment.center_crop`): torchvision's Resize + CenterCrop, one resampling.
+    """
+    import augment
+    outer = max(chunk.size, int(round(chunk.size / chunk.crop)))
+    images = np.empty((chunk.n, 3, outer, outer), np.uint8)
     for i, f in enumerate(chunk.files):
-        images[i] = decode_file(f, chunk.size, chunk.crop, chunk.max_pixels)
+        images[i] = decode_file(f, outer, chunk.max_pixels)
+    if outer != chunk.size:
+        images = np.ascontiguousarray(augment.center_crop(images, chunk.size))
     return images, np.array([f.label for f in chunk.files], np.int32).reshape(-1)
 
 

@@ -1,4 +1,9 @@
-"""Model definitions by name: Chainer Chains that map (N, 3, 32, 32) float32 to (N, classes) logits.
+"""Model definitions by name: Chainer Chains that map (N, 3, H, W) float32 to (N, classes) logits.
+
+Every model runs at any input size of at least 16 x 16 (CIFAR's 32, image folders' --image-size):
+spatial pyramid pooling (cifar10-2015), global average pooling (resnet20) or average pooling to a
+fixed 4 x 4 grid (small-cnn) make the classifier's input independent of it, so a model's
+parameters are the same at every size and 32 x 32 runs exactly as before.
 
 Models hold no training logic. Randomness is explicit: initial weights come from the RandomState
 given to the constructor (Chainer initializers take one), dropout masks from a numpy Generator
@@ -59,7 +64,8 @@ class Cifar2015(chainer.Chain):
 
 
 class SmallCNN(chainer.Chain):
-    """A small fast net for CPU tests and demos: three 3x3 convs (16-32-32) with pooling, one fc.
+    """A small fast net for CPU tests and demos: three 3x3 convs (16-32-32) with pooling to 4 x 4,
+    one fc.
 
     No BatchNorm and no dropout, so a step depends only on the data and the weights: the tests
     that compare strategies step for step use it. 15 k parameters.
@@ -75,10 +81,23 @@ class SmallCNN(chainer.Chain):
             self.fc = L.Linear(32 * 4 * 4, n_classes, initialW=I.LeCunNormal(rng=rng))
 
     def forward(self, x, rng: np.random.Generator | None = None):
-        h = F.max_pooling_2d(F.relu(self.conv1(x)), 2)  # 16 x 16
+        h = F.max_pooling_2d(F.relu(self.conv1(x)), 2)  # 16 x 16 (of a 32 x 32 input)
         h = F.max_pooling_2d(F.relu(self.conv2(h)), 2)  # 8 x 8
-        h = F.average_pooling_2d(F.relu(self.conv3(h)), 2)  # 4 x 4
-        return self.fc(h)
+        return self.fc(_average_to(F.relu(self.conv3(h)), 4))  # 4 x 4 at any input size
+
+
+def _average_to(h, side: int):
+    """Average pooling of (N, C, H, W) to (N, C, side, side): one pooling op when H and W are
+    multiples of ``side`` (at 32 x 32 inputs exactly the original 2 x 2 pooling), else adaptive
+    bins as in PyTorch's AdaptiveAvgPool2d (bin i spans floor(i*H/side) .. ceil((i+1)*H/side))."""
+    height, width = h.shape[2:]
+    if height % side == 0 and width % side == 0:
+        k = (height // side, width // side)
+        return h if k == (1, 1) else F.average_pooling_2d(h, k)
+    rows = [(i * height // side, -(-(i + 1) * height // side)) for i in range(side)]
+    cols = [(j * width // side, -(-(j + 1) * width // side)) for j in range(side)]
+    cells = [F.mean(h[:, :, r0:r1, c0:c1], axis=(2, 3)) for r0, r1 in rows for c0, c1 in cols]
+    return F.reshape(F.stack(cells, axis=2), (h.shape[0], h.shape[1], side, side))
 
 
 class _Basic(chainer.Chain):

@@ -30,7 +30,8 @@ from pipeline.state import set_state
 
 # Config fields that may change between a run and its resume (where and how it runs, not what).
 _RESUMABLE = {"cluster", "out", "progress"}
-_STAGES = ("load", "augment", "train", "average", "update", "evaluate")
+_STAGES = ("load", "decode", "augment", "train", "average", "update", "evaluate")
+_OPTIONAL_STAGES = ("decode", "update")  # reported only in runs that have them
 _MAX_RETRIES = 3  # consecutive recoveries from lost workers before the run gives up
 
 
@@ -186,12 +187,15 @@ class _Run:
         from pipeline.data import load_dataset
         cfg = self.config
         t0 = time.perf_counter()
-        dataset = load_dataset(cfg.data.source, cfg.data, download=cfg.data.download)
+        dataset = load_dataset(cfg.data.source, cfg.data, download=cfg.data.download,
+                               client=self.client)
         self.n_classes = dataset.n_classes
         device, train_res = self._device()
         augment_res = ({cfg.augment.resource: 1}
                        if cluster.has_resource(self.client, cfg.augment.resource) else None)
         data = graph.persist_dataset(self.client, dataset)
+        if data.note:
+            self.log(data.note)
         self.graph = graph.RoundGraph(self.client, data, cfg, n_classes=self.n_classes,
                                       device=device, train_resources=train_res,
                                       augment_resources=augment_res)
@@ -341,7 +345,8 @@ class _Run:
         for rec in records:
             r = _round_of(rec.get("key"))
             stage = str(rec.get("key", "")).split("-")[0].strip("('\"")
-            if stage in ("load", "images", "labels"):  # loading, keyed by block not by round:
+            block = stage == "decode" and len(rec.get("key", ())) == 2  # a cached image block
+            if stage in ("load", "images", "labels") or block:  # keyed by block, not by round:
                 stage, r = "load", self._collecting  # charge the round being collected
             if r is None or stage not in _STAGES:
                 continue
@@ -353,7 +358,8 @@ class _Run:
 
     def _stage_seconds(self, r: int) -> dict:
         stages = {s: round(v, 4) for s, v in self.stage_by_round.pop(r, {}).items()}
-        stages = {s: stages.get(s, 0.0) for s in _STAGES if s != "update" or s in stages}
+        stages = {s: stages.get(s, 0.0) for s in _STAGES if s not in _OPTIONAL_STAGES
+                  or s in stages}
         if r == self._first_collected:
             stages["load"] = round(self.load_seconds + stages.get("load", 0.0), 4)
         intervals = sorted(self.intervals_by_round.pop(r, []))
