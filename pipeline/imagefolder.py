@@ -331,7 +331,7 @@ def _open(path: str, data: bytes, max_pixels: int):
     except Image.DecompressionBombError as exc:
         raise DataError(f"{path}: refused as a decompression bomb ({_reason(exc)})") from None
     except (OSError, ValueError, SyntaxError, struct.error) as exc:
-        raise DataError(f"{path}: corrupt image header ({_reason(exc)})") from None
+        raise DataError(f"{path}: corrupt or truncated image header ({_reason(exc)})") from None
     width, height = image.size
     if width < 1 or height < 1:
         raise DataError(f"{path}: empty image ({width}x{height})")
