@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
+import augment
 from augment import ops
 from tests.augment.conftest import AUGMENT, batches, ref_batch, ref_shift_flip
 
@@ -195,3 +196,60 @@ def test_oracle_itself_matches_a_hand_example():
     assert ref_shift_flip(img, 1, 0, False, "zero")[0].tolist() == [[3, 4, 5], [6, 7, 8], [0, 0, 0]]
     assert ref_shift_flip(img, 0, -1, False, "reflect")[0].tolist() == [[1, 0, 1], [4, 3, 4],
                                                                         [7, 6, 7]]
+
+
+# --- crops that change the scale (image folders) ---------------------------------------------
+
+
+def _pil_resized_crop(img: np.ndarray, top, left, height, width, size) -> np.ndarray:
+    """Oracle: Pillow's bilinear resize of the box (upscaling, where Pillow does no antialiasing)."""
+    from PIL import Image
+    planes = [np.asarray(Image.fromarray(np.ascontiguousarray(plane)).resize(
+        size[::-1], Image.BILINEAR, box=(left, top, left + width, top + height))) for plane in img]
+    return np.stack(planes)
+
+
+def test_resized_crop_matches_pillow_within_one_level():
+    rng = np.random.default_rng(5)
+    images = rng.integers(0, 256, (12, 3, 20, 24), dtype=np.uint8)
+    top, left = rng.integers(0, 8, 12), rng.integers(0, 8, 12)
+    height, width = rng.integers(4, 13, 12), rng.integers(4, 17, 12)
+    out = augment.resized_crop(images, top, left, height, width, (20, 24))
+    for i in range(12):
+        ref = _pil_resized_crop(images[i], top[i], left[i], height[i], width[i], (20, 24))
+        assert np.abs(out[i].astype(int) - ref).max() <= 1, i
+
+
+def test_resized_crop_identity_box_and_fused_flip(images):
+    n = len(images)
+    full = (np.zeros(n, int), np.zeros(n, int), np.full(n, 32), np.full(n, 32))
+    np.testing.assert_array_equal(augment.resized_crop(images, *full, (32, 32)), images)
+    mask = np.arange(n) % 3 == 0
+    np.testing.assert_array_equal(augment.resized_crop(images, *full, (32, 32), flip=mask),
+                                  augment.flip(images, mask))
+
+
+def test_resized_crop_refuses_boxes_outside_the_image(images):
+    n = len(images)
+    with pytest.raises(ValueError, match="crop boxes must lie inside the 32x32 images"):
+        augment.resized_crop(images, np.full(n, 20), np.zeros(n, int), np.full(n, 16),
+                             np.full(n, 8), (32, 32))
+
+
+def test_random_resized_crop_boxes_follow_scale_and_ratio():
+    op = augment.RandomResizedCrop(scale=(0.25, 1.0), ratio=(3 / 4, 4 / 3))
+    params = op.sample(np.random.default_rng(0), 2000)
+    top, left, h, w = op.boxes(params, 64, 48)
+    assert (top >= 0).all() and (left >= 0).all() and (top + h <= 64).all() and (left + w <= 48).all()
+    area = h * w / (64 * 48)
+    assert area.min() >= 0.2 and area.max() <= 1.0 and np.median(area) > 0.4
+    assert ((w / h) > 0.6).all() and ((w / h) < 1.45).all()
+
+
+def test_resized_crop_policy_is_seeded_and_same_shape():
+    policy = augment.get_policy("resized-crop")
+    x = np.random.default_rng(2).integers(0, 256, (9, 3, 40, 40), dtype=np.uint8)
+    a = policy(x, np.random.default_rng(7))
+    b = policy(x, np.random.default_rng(7))
+    assert a.shape == x.shape and a.dtype == np.uint8 and (a == b).all()
+    assert not (a == policy(x, np.random.default_rng(8))).all()

@@ -76,7 +76,7 @@ def test_policies_pickle_repr_and_hash(policy):
 def test_get_policy_names_the_field():
     assert set(POLICIES) >= {"none", "flip", "cifar", "cifar-cutout"}
     with pytest.raises(ValueError, match=r"augment.policy must be one of \['none', 'flip', 'cifar', "
-                                         r"'cifar-cutout'\], got 'x'"):
+                                         r"'cifar-cutout', 'resized-crop'\], got 'x'"):
         get_policy("x")
 
 

@@ -113,3 +113,19 @@ def test_sizes():
 def test_unknown_model_names_the_field():
     with pytest.raises(ValueError, match="model.name"):
         build_model("vgg99")
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("side", [64, 40])
+def test_models_run_at_other_input_sizes_with_the_same_parameters(name, side):
+    """Image folders feed --image-size inputs: same parameter shapes, (N, classes) logits, and
+    gradients that reach the first layer."""
+    model = build_model(name, 5, seed=0)
+    shapes = {path: p.shape for path, p in model.namedparams()}
+    x = np.random.default_rng(0).normal(size=(2, 3, side, side)).astype(np.float32)
+    with chainer.using_config("train", True):
+        loss = F.softmax_cross_entropy(model(x, rng=np.random.default_rng(0)), np.array([0, 4]))
+    model.cleargrads()
+    loss.backward()
+    assert {path: p.shape for path, p in model.namedparams()} == shapes
+    assert np.isfinite(float(loss.array)) and np.abs(model.conv1.W.grad).sum() > 0
