@@ -1,0 +1,256 @@
+"""Benchmark: image folders decoded and augmented on CPU workers, against a per-image PIL loop.
+
+Writes its own folder of ``--images`` JPEGs of mixed sizes (320x240 to 1600x1200, four classes)
+under a temp dir, then measures, all in one run:
+
+1. decoders, one process, per image to ``--image-size`` (shorter side, centre crop): Pillow full
+   decode, Pillow with JPEG draft (DCT-domain downscaling; what ``decode-`` tasks use) and
+   simplejpeg when it is installed (libjpeg-turbo with the same scaling). Interleaved repeats,
+   best of ``--repeats``.
+2. decode + augment (random-resized-crop + flip) images/s: the torchvision-style per-image PIL
+   loop (full decode, crop and resize of the full image, flip, to array) in one process, and our
+   graph (``decode-`` tasks, vectorized ``augment-``) on one worker process and on two.
+   Goal: ``decode_2w_over_1w`` >= 1.8.
+3. an epoch of small-cnn at the image size where loading dominates, one worker process with two
+   threads (training on one, decoding on the other, as seed 003's loader overlaps with compute):
+   training alone (decoded images cached), loading alone (the epoch's decode- and augment- tasks,
+   no training) and the full pipeline decoding every round. Goal: ``epoch_over_max`` =
+   epoch / max(train, loading) <= 1.1.
+
+    flock /work/cpu.lock .venv/bin/python benchmarks/decode.py        # ~4 min on 2 cores
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from _common import emit, local_client  # noqa: I001
+
+SIZES = ((320, 240), (500, 375), (640, 480), (800, 600), (1024, 768), (1600, 1200), (375, 500),
+         (480, 640))
+
+
+def write_jpegs(root: Path, n: int, classes: int = 4, seed: int = 0) -> Path:
+    """``n`` photo-like JPEGs (smooth colour fields, texture, a shape), quality 90."""
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        label = i % classes
+        w, h = SIZES[i % len(SIZES)]
+        small = rng.normal(0, 1, (h // 16 + 2, w // 16 + 2, 3)).cumsum(0).cumsum(1)
+        small = (small - small.min()) / (np.ptp(small) + 1e-9) * 160 + 40
+        field = np.asarray(Image.fromarray(small.astype(np.uint8)).resize((w, h), Image.BICUBIC),
+                           np.float64)
+        field[..., label % 3] += 50
+        field += rng.normal(0, 12, (h, w, 1))
+        folder = root / f"class_{label}"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.clip(field, 0, 255).astype(np.uint8)).save(
+            folder / f"{i:05d}.jpg", quality=90)
+    return root
+
+
+# ---- 1. decoders -----------------------------------------------------------------------------
+
+
+def _square(image, size):
+    from PIL import Image
+    w, h = image.size
+    s = min(w, h)
+    box = ((w - s) / 2, (h - s) / 2, (w + s) / 2, (h + s) / 2)
+    return np.asarray(image.resize((size, size), Image.BILINEAR, box=box))
+
+
+def pil_full(blob: bytes, size: int):
+    from PIL import Image
+    return _square(Image.open(io.BytesIO(blob)).convert("RGB"), size)
+
+
+def pil_draft(blob: bytes, size: int):
+    from PIL import Image
+    image = Image.open(io.BytesIO(blob))
+    w, h = image.size
+    scale = size / min(w, h)
+    image.draft("RGB", (int(np.ceil(w * scale)), int(np.ceil(h * scale))))
+    return _square(image.convert("RGB"), size)
+
+
+def simplejpeg_scaled(blob: bytes, size: int):
+    import simplejpeg
+    from PIL import Image
+    w, h = simplejpeg.decode_jpeg_header(blob)[:2]
+    scale = size / min(w, h)
+    array = simplejpeg.decode_jpeg(blob, colorspace="RGB", min_width=int(np.ceil(w * scale)),
+                                   min_height=int(np.ceil(h * scale)))
+    return _square(Image.fromarray(array), size)
+
+
+def decoders(files, size: int, repeats: int) -> dict:
+    blobs = [Path(f).read_bytes() for f in files]
+    candidates = {"pillow_full": pil_full, "pillow_draft": pil_draft}
+    try:
+        import simplejpeg  # noqa: F401
+        candidates["simplejpeg"] = simplejpeg_scaled
+    except ImportError:
+        print("simplejpeg not installed: skipped (pip install simplejpeg to compare)")
+    best = {name: float("inf") for name in candidates}
+    for _ in range(repeats):  # interleaved: load changes hit every candidate alike
+        for name, fn in candidates.items():
+            start = time.perf_counter()
+            for blob in blobs:
+                fn(blob, size)
+            best[name] = min(best[name], time.perf_counter() - start)
+    return {name: len(blobs) / s for name, s in best.items()}
+
+
+# ---- 2. decode + augment ---------------------------------------------------------------------
+
+
+def pil_loop(files, size: int, seed: int) -> float:
+    """torchvision-style: per image, full decode, RandomResizedCrop on the PIL image, flip, array."""
+    from PIL import Image
+
+    import augment
+    op = augment.RandomResizedCrop()
+    rng = np.random.default_rng(seed)
+    start = time.perf_counter()
+    out = np.empty((len(files), 3, size, size), np.uint8)
+    for i, path in enumerate(files):
+        image = Image.open(path).convert("RGB")
+        w, h = image.size
+        params = op.sample(rng, 1)
+        top, left, bh, bw = (int(v[0]) for v in op.boxes(params, h, w))
+        image = image.resize((size, size), Image.BILINEAR, box=(left, top, left + bw, top + bh))
+        if rng.random() < 0.5:
+            image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        out[i] = np.asarray(image).transpose(2, 0, 1)
+    return len(files) / (time.perf_counter() - start)
+
+
+def graph_rate(client, dataset, seed: int) -> float:
+    """Images/s of decode- + augment- over the training split on ``client``'s workers."""
+    from distributed import wait
+
+    import augment
+    from pipeline.augment_graph import augment_array
+    chunk = dataset.train_images.chunks[0][0]
+    start = time.perf_counter()
+    out = client.persist(augment_array(dataset.train_images, augment.get_policy("resized-crop"),
+                                       seed, 0, chunk))
+    wait(out)
+    seconds = time.perf_counter() - start
+    del out
+    return dataset.train_images.shape[0] / seconds
+
+
+# ---- 3. an epoch where loading dominates -----------------------------------------------------
+
+
+def epoch_config(folder: str, a, cache: str):
+    from pipeline import Config
+    return Config().replace(**{
+        "data.source": folder, "data.image_size": a.image_size, "data.cache": cache,
+        "data.decode_chunk": 32, "model.name": "small-cnn", "train.strategy": "single",
+        "train.replicas": 1, "train.batch_size": 64, "train.lr": 0.01, "train.epochs": 2,
+        "average.mix_every": "4", "augment.policy": "resized-crop", "augment.prefetch": 2,
+        "seed": a.seed, "progress": False, "checkpoint_every": 0, "eval_every": 0})
+
+
+def second_epoch_seconds(history) -> float:
+    ends = {line["epoch"]: line["seconds"] for line in history}
+    return ends[1] - ends[0]
+
+
+def loading_alone(client, cfg) -> float:
+    """Seconds of one epoch's decode- and augment- tasks (every round's shard), no training."""
+    from distributed import wait
+
+    from pipeline import graph
+    from pipeline.data import load_dataset
+    from pipeline.schedule import plan_rounds, round_period, steps_per_epoch
+    ds = load_dataset(cfg.data.source, cfg.data)
+    data = graph.persist_dataset(client, ds)
+    assert data.stream is not None, "expected the uncached path"
+    wait(data.test_images)
+    g = graph.RoundGraph(client, data, cfg, n_classes=ds.n_classes, device="@numpy",
+                         train_resources=None, augment_resources=None)
+    t = cfg.train
+    per_epoch = steps_per_epoch(data.n_train, t.replicas, t.batch_size)
+    rounds = plan_rounds(data.n_train, t.replicas, t.batch_size, 1.0,
+                         round_period(t.strategy, cfg.average.period(per_epoch)), t.strategy)
+    start = time.perf_counter()
+    futures = [g.submit_augment(r, k, t.replicas, t.batch_size) for r in rounds
+               for k in range(t.replicas)]
+    wait(futures)
+    seconds = time.perf_counter() - start
+    del futures
+    return seconds
+
+
+def main(argv=None):
+    from pipeline import train
+    from pipeline.config import DataConfig
+    from pipeline.data import load_dataset
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--images", type=int, default=2400)
+    p.add_argument("--image-size", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep", default=None, help="write (or reuse) the folder here, not a temp dir")
+    a = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(a.keep or tmp) / "jpegs"
+        if not root.exists():
+            start = time.perf_counter()
+            write_jpegs(root, a.images, seed=a.seed)
+            print(f"wrote {a.images} JPEGs in {time.perf_counter() - start:.0f} s: {root}")
+        folder = str(root)
+        files = sorted(str(x) for x in root.glob("*/*.jpg"))
+
+        rates = decoders(files[:240], a.image_size, a.repeats)
+        for name, rate in rates.items():
+            print(f"decoder {name:14} {rate:8.0f} images/s (one process)")
+
+        cfg = DataConfig(image_size=a.image_size, decode_chunk=64, val_fraction=0.05)
+        ds = load_dataset(folder, cfg)  # lists and scans once, outside the timings
+        n = ds.train_images.shape[0]
+        loop = pil_loop(files[:600], a.image_size, a.seed)
+        graph = {}
+        for workers in (1, 2):
+            with local_client(workers, 1) as client:
+                graph_rate(client, load_dataset(folder, cfg), a.seed + 1)  # warm-up
+                graph[workers] = max(graph_rate(client, ds, a.seed) for _ in range(a.repeats))
+        ratio = graph[2] / graph[1]
+        print(f"decode+augment: PIL loop {loop:.0f}, ours 1 worker {graph[1]:.0f}, 2 workers "
+              f"{graph[2]:.0f} images/s ({n} images); 2w/1w = {ratio:.2f} (goal >= 1.8)")
+
+        with local_client(1, 2) as client:
+            quiet = dict(client=client, log=lambda m: None)
+            train(epoch_config(folder, a, "on").replace(**{"train.epochs": 0.2}), **quiet)  # warm-up
+            cached = train(epoch_config(folder, a, "on"), **quiet)
+            train_s = second_epoch_seconds(cached.history)
+            load_s = loading_alone(client, epoch_config(folder, a, "off"))
+            streamed = train(epoch_config(folder, a, "off"), **quiet)
+            epoch_s = second_epoch_seconds(streamed.history)
+        epoch_ratio = epoch_s / max(train_s, load_s)
+        print(f"epoch of small-cnn at {a.image_size}px: train alone {train_s:.2f} s, loading "
+              f"alone {load_s:.2f} s, decoding every round {epoch_s:.2f} s; "
+              f"epoch / max = {epoch_ratio:.3f} (goal <= 1.1)")
+    emit({"bench": "decode", "decode_2w_over_1w": round(ratio, 3),
+          "epoch_over_max": round(epoch_ratio, 3),
+          "decoder_images_per_s": {k: round(v, 1) for k, v in rates.items()},
+          "pil_loop_images_per_s": round(loop, 1),
+          "graph_images_per_s": {f"{k}w": round(v, 1) for k, v in graph.items()},
+          "graph_1w_over_pil_loop": round(graph[1] / loop, 3),
+          "epoch_seconds": {"train_alone": round(train_s, 3), "loading_alone": round(load_s, 3),
+                            "pipeline": round(epoch_s, 3)},
+          "images": a.images, "image_size": a.image_size, "goals": {"decode_2w_over_1w": 1.8,
+                                                                     "epoch_over_max": 1.1}})
+
+
+if __name__ == "__main__":
+    main()
