@@ -78,7 +78,7 @@ def plan_list(source: str, cfg: DataConfig, download: bool = False, client=None)
 def plan_folder(source: str, cfg: DataConfig, download: bool = False, client=None) -> Plan:
     root = os.path.abspath(os.path.expanduser(source))
     if not imagefolder.class_folders(root):
-        raise DataError(f"{root}: no CIFAR data and no class subfolders here (expected "
+        raise DataError(f"{root}: no CIFAR data here and no class subfolders (expected "
                         "cifar-10-batches-py/, cifar-10-batches-bin/, cifar-100-python/, an "
                         "official .tar.gz, or an image folder root/<class>/<image>)")
     train, val = imagefolder.folder_splits(root)
@@ -132,7 +132,7 @@ def _bounds(n: int, most: int) -> list[int]:
     """Boundaries of ceil(n / most) nearly equal parts of range(n).
 
     >>> _bounds(10, 4)
-    [0, 4, 7, 10]
+    [0, 3, 6, 10]
     """
     parts = max(1, math.ceil(n / most))
     return [n * i // parts for i in range(parts)] + [n] if n else [0]
@@ -180,7 +180,7 @@ def cache_decision(stream: Stream, n_train: int, worker_limits: list) -> tuple[b
 
     >>> s = Stream((), 64, 1.0, 1, 128, "auto")
     >>> cache_decision(s, 1000, [4 << 30])
-    (True, 'decoded training images: 12.0 MiB (1000 x 3x64x64 uint8) per worker that augments; cached on the workers (data.cache auto)')
+    (True, 'decoded training images: 11.7 MiB (1000 x 3x64x64 uint8) per worker that augments; cached on the workers (data.cache auto)')
     """
     need = n_train * 3 * stream.size * stream.size
     limits = [m for m in worker_limits if m]
