@@ -15,5 +15,11 @@ def train(config, client=None, **kwargs):
     return _train(config, client=client, **kwargs)
 
 
+def load_model(out):
+    """The trained model of a run directory; see pipeline.evaluation.load_model."""
+    from pipeline.evaluation import load_model as _load_model
+    return _load_model(out)
+
+
 __all__ = ["Config", "DataConfig", "AugmentConfig", "ModelConfig", "TrainConfig", "AverageConfig",
-           "ClusterConfig", "train"]
+           "ClusterConfig", "train", "load_model"]

@@ -64,12 +64,40 @@ def _unflatten(flat, round_index: int, replicas: int) -> HostState:
     return HostState(round_index, params, [o or None for o in opts], outer or None)
 
 
+def _umask() -> int:
+    """The process's umask: from /proc on Linux (no change to it, safe beside other threads),
+    else by setting it and putting it back at once."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def usual_mode(directory: bool = False) -> int:
+    """The mode ``open``/``mkdir`` would give a new file or directory under the umask.
+
+    ``tempfile`` creates 0600 files and 0700 directories (private scratch space); an output the
+    user reads, copies and shares gets the usual mode instead, like every other file of the run.
+
+    >>> oct(usual_mode()) in ("0o644", "0o664", "0o600", "0o640")
+    True
+    """
+    return (0o777 if directory else 0o666) & ~_umask()
+
+
 def write_atomic(path: Path, data: bytes | str) -> None:
     """Write a whole file under a temporary name in the same directory, fsync, rename."""
     path = Path(path)
     mode = "w" if isinstance(data, str) else "wb"
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, usual_mode())
         with os.fdopen(fd, mode) as f:
             f.write(data)
             f.flush()
@@ -87,6 +115,7 @@ def save(out: str | Path, state: HostState, model_params: dict, config_dict: dic
     final = root / f"round-{state.round:06d}"
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}.", suffix=".tmp"))
     try:
+        tmp.chmod(usual_mode(directory=True))
         np.savez(tmp / "model.npz", **model_params)
         np.savez(tmp / "state.npz", **_flatten(state))
         meta = dict(round=state.round, replicas=len(state.params), config=config_dict,

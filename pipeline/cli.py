@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from pipeline.errors import DivergenceError, UsageError
+from pipeline.errors import DivergenceError, Interrupted, UsageError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -94,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     except DivergenceError as exc:  # not bad input: the run itself blew up
         print(f"error: {exc}", file=sys.stderr)
         return 3
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+    except Interrupted as exc:  # Ctrl-C or SIGTERM: stopped at a round boundary, checkpoint written
+        print(str(exc), file=sys.stderr)
+        return exc.exit_status
+    except KeyboardInterrupt as exc:  # a second signal, or one outside a run: stopped at once
+        print("error: interrupted; a run stops cleanly at the next round boundary after one "
+              "Ctrl-C (or SIGTERM), a second one stops it at once", file=sys.stderr)
+        return getattr(exc, "exit_status", 130)

@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 
@@ -132,6 +133,18 @@ def _embedded_cluster(cfg: ClusterConfig, gpus: list[str]) -> Iterator[distribut
 
 
 def _start_embedded(cfg: ClusterConfig, gpus: list[str]) -> distributed.SpecCluster:
+    """The embedded cluster; its worker processes ignore SIGINT and SIGTERM (they inherit that from
+    here), so a Ctrl-C to the terminal's process group reaches only the driver, which stops the
+    run at a round boundary and then closes the workers itself."""
+    from pipeline.interrupt import signals_ignored
+    with signals_ignored(), warnings.catch_warnings():
+        # "Port 8787 is already in use ... Hosting the HTTP server on port N instead": the
+        # summary line gives the link that was bound.
+        warnings.filterwarnings("ignore", message=".*already in use", category=UserWarning)
+        return _new_embedded(cfg, gpus)
+
+
+def _new_embedded(cfg: ClusterConfig, gpus: list[str]) -> distributed.SpecCluster:
     threads = cfg.threads_per_worker
     n_cpu = cfg.workers or default_workers(threads, len(gpus))
     if not gpus:
@@ -209,9 +222,8 @@ def require_resource(client: distributed.Client, name: str, timeout: float) -> N
     A cluster that `connect` embedded will not gain workers, so it is checked once without
     waiting. The error lists what the workers do advertise.
     """
-    if client.cluster is not None and client.cluster in _EMBEDDED:
-        timeout = 0
-    deadline = time.monotonic() + timeout
+    embedded = client.cluster is not None and client.cluster in _EMBEDDED
+    deadline = time.monotonic() + (0 if embedded else timeout)
     while True:
         resources = worker_resources(client)
         if any(res.get(name, 0) > 0 for res in resources.values()):
@@ -219,6 +231,10 @@ def require_resource(client: distributed.Client, name: str, timeout: float) -> N
         if time.monotonic() >= deadline:
             break
         time.sleep(_POLL_S)
+    if embedded:
+        raise ClusterError(f"the local cluster has no worker with resource {name!r} (its workers "
+                           f"advertise: {_resource_summary(resources)}); use --device cpu, or "
+                           f"--scheduler ADDR of a cluster whose workers advertise {name}")
     raise ClusterError(
         f"no worker advertises resource {name!r} (waited {timeout:g} s); workers advertise: "
         f"{_resource_summary(resources)}; start one with `dask worker ADDR --resources {name}=1`")

@@ -10,91 +10,171 @@ from pathlib import Path
 from pipeline.config import Config
 from pipeline.errors import UsageError
 
-# --flag -> dotted config field; argparse leaves unset options None so a resume can tell them apart.
+# --flag, dotted config field, type, metavar, help, unit of the default. argparse leaves unset
+# options None, so a resume can tell them apart from the saved config's values; the defaults shown
+# in --help are read from Config().
 _TRAIN_OPTIONS = [
-    ("--data", "data.source", str, "synthetic, synthetic:N:M, a CIFAR directory/tarball, an "
-     "image folder (root/<class>/<image>, optional train/ and val/) or a file list (path label)"),
-    ("--image-size", "data.image_size", int, "image folders/lists: side of the square images "
-     "(pixels, default 64)"),
-    ("--val-fraction", "data.val_fraction", float, "image folders/lists without val/: share of "
-     "each class held out (default 0.1)"),
-    ("--val-data", "data.val_source", str, "image folders/lists: a folder or file list as val split"),
-    ("--image-root", "data.image_root", str, "file lists: where relative paths start "
-     "(default: the list's directory)"),
-    ("--cache", "data.cache", str, "keep decoded images on the workers: auto | on | off"),
-    ("--model", "model.name", str, "cifar10-2015 | resnet20 | small-cnn"),
-    ("--strategy", "train.strategy", str, "single | gradient | mixture | ipm"),
-    ("--replicas", "train.replicas", int, "K model replicas (independent of workers)"),
-    ("--mix-every", "average.mix_every", str, "ipm period H: steps (10) or epochs (1ep)"),
-    ("--epochs", "train.epochs", float, "passes over the training set"),
-    ("--batch-size", "train.batch_size", int, "images per replica per step"),
-    ("--optimizer", "train.optimizer", str, "sgd | momentum | adam"),
-    ("--lr", "train.lr", float, "replica learning rate (Adam: alpha)"),
-    ("--momentum", "train.momentum", float, "momentum of the momentum optimizer"),
-    ("--weight-decay", "train.weight_decay", float, "L2 coefficient"),
-    ("--lr-scaling", "train.lr_scaling", str, "none | linear | sqrt in K (seed 004)"),
-    ("--warmup-epochs", "train.warmup_epochs", float, "linear learning-rate warmup"),
-    ("--outer-lr", "average.outer_lr", float, "outer optimizer learning rate (1 = plain mean)"),
-    ("--outer-momentum", "average.outer_momentum", float, "outer Nesterov momentum (DiLoCo)"),
-    ("--optimizer-state", "average.optimizer_state", str, "keep | reset | average at a mix"),
-    ("--fan-in", "average.fan_in", int, "children per average- task in the reduction tree"),
-    ("--augment", "augment.policy", str, "augmentation policy: none | flip | cifar | cifar-cutout "
-     "| resized-crop (image folders)"),
-    ("--prefetch", "augment.prefetch", int, "rounds of augmentation computed ahead"),
-    ("--seed", "seed", int, "run seed"),
-    ("--checkpoint-every", "checkpoint_every", int, "checkpoint every N rounds (0: end only)"),
-    ("--eval-every", "eval_every", int, "also evaluate every N rounds"),
-    ("--device", "train.device", str, "cpu | gpu | auto"),
-    ("--gpu-resource", "train.gpu_resource", str, "worker resource GPU tasks ask for"),
-    ("--gpu-workers-per-device", "cluster.gpu_workers_per_device", int,
-     "LocalCluster GPU worker processes per device"),
-    ("--gpu-threads", "cluster.gpu_threads", int, "LocalCluster threads per GPU worker"),
-    ("--workers", "cluster.workers", int, "LocalCluster workers"),
-    ("--threads-per-worker", "cluster.threads_per_worker", int, "LocalCluster threads per worker"),
-    ("--scheduler", "cluster.scheduler", str, "address of a running dask scheduler"),
-    ("--tls-ca-file", "cluster.tls_ca_file", str, "TLS CA certificate"),
-    ("--tls-cert", "cluster.tls_cert", str, "TLS client certificate"),
-    ("--tls-key", "cluster.tls_key", str, "TLS client key"),
-    ("--connect-timeout", "cluster.connect_timeout", float, "seconds to wait for the scheduler"),
+    ("--data", "data.source", str, "SOURCE", "training data: synthetic (5,000 train / 1,000 test "
+     "images made on the fly), synthetic:N:M, cifar10 (the official archive in the cache), a "
+     "CIFAR directory or tarball, an image folder (root/<class>/<image>, optional train/ and "
+     "val/) or a file list (path label)", ""),
+    ("--image-size", "data.image_size", int, "PIXELS", "image folders/lists: side of the square "
+     "images the model sees", ""),
+    ("--val-fraction", "data.val_fraction", float, "F", "image folders/lists without val/: share "
+     "of each class held out", ""),
+    ("--val-data", "data.val_source", str, "SOURCE", "image folders/lists: a folder or file list "
+     "as the val split", ""),
+    ("--image-root", "data.image_root", str, "DIR", "file lists: where relative paths start", ""),
+    ("--cache", "data.cache", str, "MODE", "keep decoded images on the workers: auto (if they "
+     "fit) | on | off", ""),
+    ("--model", "model.name", str, "NAME", "small-cnn (15 k parameters, fast on a CPU) | resnet20 "
+     "| cifar10-2015", ""),
+    ("--strategy", "train.strategy", str, "NAME", "single (one replica) | gradient (one step on "
+     "the replicas' summed gradients) | mixture (replicas averaged once, at the end) | ipm "
+     "(replicas averaged every round)", ""),
+    ("--replicas", "train.replicas", int, "K", "model replicas trained side by side (any number "
+     "of workers runs them)", "replicas"),
+    ("--mix-every", "average.mix_every", str, "H", "ipm round length: H local steps (10) or H "
+     "epochs (1ep) between averages", "steps"),
+    ("--epochs", "train.epochs", float, "E", "passes over the training set (fractions allowed); "
+     "with --resume, trains the run on to E epochs", "epochs"),
+    ("--batch-size", "train.batch_size", int, "B", "images per replica per step", "images"),
+    ("--optimizer", "train.optimizer", str, "NAME", "sgd | momentum | adam", ""),
+    ("--lr", "train.lr", float, "LR", "learning rate of each replica (adam: alpha); small-cnn "
+     "with momentum learns at 0.01 to 0.02, not at 0.05", ""),
+    ("--momentum", "train.momentum", float, "M", "momentum of --optimizer momentum", ""),
+    ("--weight-decay", "train.weight_decay", float, "WD", "L2 penalty coefficient", ""),
+    ("--lr-scaling", "train.lr_scaling", str, "RULE", "none | linear | sqrt: multiply --lr by K "
+     "or sqrt(K), for large global batches", ""),
+    ("--warmup-epochs", "train.warmup_epochs", float, "E", "raise the learning rate linearly to "
+     "--lr over the first E epochs", "epochs"),
+    ("--outer-lr", "average.outer_lr", float, "LR", "ipm: outer learning rate on the averaged "
+     "update (1: plain averaging)", ""),
+    ("--outer-momentum", "average.outer_momentum", float, "M", "ipm: outer Nesterov momentum, as "
+     "in DiLoCo (0: plain averaging)", ""),
+    ("--optimizer-state", "average.optimizer_state", str, "MODE", "ipm: keep | reset | average "
+     "each replica's optimizer state at an average", ""),
+    ("--fan-in", "average.fan_in", int, "N", "inputs per average- task of the averaging tree",
+     "inputs"),
+    ("--augment", "augment.policy", str, "POLICY", "none | flip | cifar (pad-crop and flip) | "
+     "cifar-cutout | resized-crop (image folders)", ""),
+    ("--prefetch", "augment.prefetch", int, "N", "rounds of augmentation computed ahead of "
+     "training", "rounds"),
+    ("--seed", "seed", int, "N", "run seed: every random choice derives from it", ""),
+    ("--checkpoint-every", "checkpoint_every", int, "N", "write a checkpoint every N rounds and at "
+     "the end (0: at the end only)", "rounds"),
+    ("--eval-every", "eval_every", int, "N", "evaluate on the test set every N rounds as well as "
+     "at each epoch's end (0: epoch ends only)", "rounds"),
+    ("--device", "train.device", str, "NAME", "cpu | gpu | auto (gpu when a worker advertises "
+     "--gpu-resource)", ""),
+    ("--gpu-resource", "train.gpu_resource", str, "NAME", "worker resource that GPU tasks ask "
+     "for", ""),
+    ("--gpu-workers-per-device", "cluster.gpu_workers_per_device", int, "N", "local cluster: GPU "
+     "worker processes per device", "workers"),
+    ("--gpu-threads", "cluster.gpu_threads", int, "N", "local cluster: threads per GPU worker",
+     "threads"),
+    ("--workers", "cluster.workers", int, "N", "local cluster: CPU worker processes", ""),
+    ("--threads-per-worker", "cluster.threads_per_worker", int, "N", "local cluster: threads per "
+     "worker process", "threads"),
+    ("--dashboard-address", "cluster.dashboard_address", str, "HOST:PORT", "local cluster: where "
+     "its dashboard listens (port 0: any free port; a busy port falls back to a free one)", ""),
+    ("--scheduler", "cluster.scheduler", str, "ADDRESS", "a running dask scheduler "
+     "(tcp://HOST:PORT) instead of a local cluster; also $DASK_SCHEDULER_ADDRESS", ""),
+    ("--tls-ca-file", "cluster.tls_ca_file", str, "PEM", "TLS: CA certificate of the cluster", ""),
+    ("--tls-cert", "cluster.tls_cert", str, "PEM", "TLS: this client's certificate", ""),
+    ("--tls-key", "cluster.tls_key", str, "PEM", "TLS: this client's private key", ""),
+    ("--connect-timeout", "cluster.connect_timeout", float, "SECONDS", "how long to wait for the "
+     "scheduler and its workers", "s"),
 ]
-_CLUSTER_FIELDS = {f for _, f, _, _ in _TRAIN_OPTIONS if f.startswith("cluster.")}
+_CLUSTER_FIELDS = {f for _, f, *_ in _TRAIN_OPTIONS if f.startswith("cluster.")}
+_NO_DEFAULT = {"cluster.workers": "one per core", "cluster.scheduler": "none: a local cluster"}
+_TOP_LEVEL = ("seed", "checkpoint_every", "eval_every", "tensorboard", "csv")
+
+TRAIN_DESCRIPTION = """\
+Train a model with K replicas on a Dask cluster (a local one unless --scheduler is given).
+
+A round is the unit of work between two synchronisations of the replicas: for ipm, H local steps
+of every replica followed by their average (--mix-every); for gradient, one step; for single and
+mixture, --mix-every steps. Checkpoints, evaluations and the progress bar count rounds.
+
+Outputs in --out: metrics.jsonl (a line per round), model.npz (load it with
+pipeline.load_model(OUT)), curves.png, config.json, summary.json, checkpoints/. Ctrl-C or SIGTERM
+stops the run after the round in progress with a checkpoint (exit 130 or 143); --resume OUT goes
+on from there."""
+
+
+def _default(field: str):
+    value = Config()
+    for part in field.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _help(field: str, text: str, unit: str) -> str:
+    if field in _NO_DEFAULT:
+        return f"{text} (default: {_NO_DEFAULT[field]})"
+    value = _default(field)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if value == 1 and unit.endswith("s") and len(unit) > 1:
+        unit = unit[:-1]  # "1 round", "1 thread"
+    shown = f"{value} {unit}".strip() if value is not None else "none"
+    return f"{text} (default: {shown})".replace("%", "%%")
 
 
 def add_subcommands(sub) -> None:
-    p = sub.add_parser("train", help="train a model on the cluster (see --help for every option)")
-    for flag, field, kind, text in _TRAIN_OPTIONS:
-        p.add_argument(flag, dest=field, type=kind, default=None, help=text)
+    p = sub.add_parser("train", help="train a model on a Dask cluster (see train --help)",
+                       description=TRAIN_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    for flag, field, kind, metavar, text, unit in _TRAIN_OPTIONS:
+        p.add_argument(flag, dest=field, type=kind, default=None, metavar=metavar,
+                       help=_help(field, text, unit))
     p.add_argument("--tta", dest="train.tta", action="store_const", const=True, default=None,
-                   help="evaluate with test-time augmentation")
+                   help="evaluate with test-time augmentation (flips and shifted crops)")
     p.add_argument("--download", dest="data.download", action="store_const", const=True,
-                   default=None, help="download the official CIFAR archive when missing")
-    p.add_argument("--out", default=None, help="output directory")
-    p.add_argument("--resume", metavar="OUT", default=None, help="continue the run in OUT")
-    p.add_argument("--overwrite", action="store_true", help="replace a finished run in --out")
+                   default=None, help="download the official CIFAR archive when it is missing")
+    p.add_argument("--out", metavar="OUT", default=None,
+                   help="output directory (default: runs/STRATEGY-YYYYmmdd-HHMMSS)")
+    p.add_argument("--resume", metavar="OUT", default=None,
+                   help="go on with the run in OUT from its last checkpoint (with --epochs E: "
+                        "train it on to E epochs)")
+    p.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
+    p.add_argument("--tensorboard", dest="tensorboard", action="store_const", const=True,
+                   default=None, help="also write TensorBoard event files to OUT/tensorboard/")
+    p.add_argument("--csv", dest="csv", action="store_const", const=True, default=None,
+                   help="also write the metrics as OUT/metrics.csv")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_run_train)
 
-    e = sub.add_parser("evaluate", help="test accuracy of saved weights (model.npz)")
-    e.add_argument("--model", required=True)
-    e.add_argument("--weights", required=True, help="a model.npz written by train")
-    e.add_argument("--data", required=True)
-    e.add_argument("--tta", action="store_true")
-    e.add_argument("--image-size", type=int, default=None,
+    e = sub.add_parser("evaluate", help="test accuracy of a trained model",
+                       description="Test loss and accuracy of a trained model, as one JSON line: "
+                                   "of the run in --run OUT, or of --weights with --model.")
+    e.add_argument("--run", metavar="OUT", help="a run directory written by train")
+    e.add_argument("--model", metavar="NAME", help="model of --weights: small-cnn | resnet20 | "
+                                                   "cifar10-2015")
+    e.add_argument("--weights", metavar="NPZ", help="a model.npz written by train")
+    e.add_argument("--data", metavar="SOURCE", help="test data (default with --run: the run's)")
+    e.add_argument("--tta", action="store_true",
+                   help="test-time augmentation (flips and shifted crops)")
+    e.add_argument("--image-size", type=int, default=None, metavar="PIXELS",
                    help="image folders/lists: the size the model was trained at (default: from "
                    "config.json beside the weights, else 64)")
-    e.add_argument("--val-data", default=None, help="image folders/lists: the val split to use")
-    e.add_argument("--image-root", default=None, help="file lists: where relative paths start")
+    e.add_argument("--val-data", default=None, metavar="SOURCE",
+                   help="image folders/lists: the val split to use")
+    e.add_argument("--image-root", default=None, metavar="DIR",
+                   help="file lists: where relative paths start")
     e.set_defaults(func=_run_evaluate)
 
-    d = sub.add_parser("demo", help="the main job: synthesize or find data, preview, train ipm")
-    d.add_argument("--out", default="runs/demo")
-    d.add_argument("--epochs", type=float, default=3.0)
+    d = sub.add_parser("demo", help="the main job: find or synthesize data, preview it, train ipm")
+    d.add_argument("--out", metavar="OUT", default="runs/demo",
+                   help="output directory (default: runs/demo)")
+    d.add_argument("--epochs", metavar="E", type=float, default=3.0,
+                   help="passes over the training set (default: 3 epochs)")
     d.set_defaults(func=_run_demo)
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    given = {k: v for k, v in vars(args).items()
-             if "." in k or k in ("seed", "checkpoint_every", "eval_every")}
+    given = {k: v for k, v in vars(args).items() if "." in k or k in _TOP_LEVEL}
     given = {k: v for k, v in given.items() if v is not None}
     if args.resume:
         saved = Path(args.resume) / "config.json"
@@ -117,13 +197,34 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def _run_train(args) -> int:
+    from pipeline import live
+    from pipeline.interrupt import graceful_stop
     from pipeline.training import train
     if args.resume and args.out and Path(args.out) != Path(args.resume):
         raise UsageError("--resume OUT continues OUT; do not also give a different --out")
     config = config_from_args(args)
-    result = train(config, resume=bool(args.resume), overwrite=args.overwrite)
+    if config.out is None:
+        config = config.replace(out=default_out(config.train.strategy))
+        print(f"output: {config.out} (--out)", file=sys.stderr, flush=True)
+    page = live.DashboardEvents(run=Path(config.out).name)  # the /training page of this run
+    with graceful_stop() as stop:
+        result = train(config, resume=bool(args.resume), overwrite=args.overwrite, stop=stop,
+                       hooks=[page])
+    if result.status == "complete":
+        return 0
     print(summary_line(result))
     return 0
+
+
+def default_out(strategy: str, root: str = "runs") -> str:
+    """``runs/<strategy>-<YYYYmmdd-HHMMSS>``, with a suffix if that exists already."""
+    import time
+    base = Path(root) / f"{strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out, n = base, 1
+    while out.exists():
+        n += 1
+        out = base.with_name(f"{base.name}-{n}")
+    return str(out)
 
 
 def summary_line(result) -> str:
@@ -139,7 +240,19 @@ def summary_line(result) -> str:
 
 
 def _run_evaluate(args) -> int:
-    from pipeline.evaluation import evaluate_weights
+    from pipeline.evaluation import evaluate_weights, load_model, run_config
+    if args.run:
+        if args.model or args.weights:
+            raise UsageError("evaluate: give either --run OUT or --model with --weights")
+        config = run_config(args.run)
+        load_model(args.run)  # one line for a run without model.npz, before any data is read
+        args.model, args.weights = config.model.name, str(Path(args.run) / "model.npz")
+        args.data = args.data or config.data.source
+    missing = [f for f, v in (("--model", args.model), ("--weights", args.weights),
+                              ("--data", args.data)) if not v]
+    if missing:
+        raise UsageError(f"evaluate needs --run OUT, or --model, --weights and --data "
+                         f"(missing {', '.join(missing)})")
     data = _evaluate_data_config(args)
     print(json.dumps(evaluate_weights(args.model, args.weights, args.data, tta=args.tta,
                                       data=data)))

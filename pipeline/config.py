@@ -144,7 +144,8 @@ class ClusterConfig:
     scheduler: str | None = None  # address of a running `dask scheduler`; None = own LocalCluster
     workers: int | None = None  # LocalCluster workers; None = sized for the machine
     threads_per_worker: int = 1  # LocalCluster threads per worker (= BLAS threads per task)
-    dashboard_address: str = "127.0.0.1:0"  # LocalCluster dashboard bind; port 0 = any free port
+    dashboard_address: str = "127.0.0.1:8787"  # LocalCluster dashboard HOST:PORT; a busy port
+    #                                             falls back to a free one; port 0 = any free port
     tls_ca_file: str | None = None  # TLS: CA certificate that signed scheduler and workers
     tls_cert: str | None = None  # TLS: this client's certificate
     tls_key: str | None = None  # TLS: this client's private key
@@ -185,6 +186,8 @@ class Config:
     eval_every: int = 0  # evaluate every N rounds as well as at each epoch end; 0 = epochs only
     checkpoint_every: int = 10  # checkpoint every N rounds (and at the end); 0 = end only
     progress: bool = True  # show a progress bar on stderr
+    tensorboard: bool = False  # also write TensorBoard event files to OUT/tensorboard/
+    csv: bool = False  # also write the metrics as OUT/metrics.csv (one row per round)
 
     def validate(self) -> "Config":
         for section in (self.data, self.augment, self.model, self.train, self.average, self.cluster):

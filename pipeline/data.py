@@ -242,10 +242,50 @@ def fetch(dataset: str = "cifar10", fmt: str = "python", cache_dir: str | None =
         raise DataError(f"{url}: downloaded file failed the MD5 check (expected {md5}); "
                         f"it was not kept ({cifar.one_line(exc)[:160]})") from None
     except Exception as exc:  # requests' connection and HTTP errors, OSError writing the cache
-        raise DataError(f"cannot download {url} into {directory} ({type(exc).__name__}: "
-                        f"{cifar.one_line(exc)})") from None
+        raise DataError(f"cannot download {url} ({download_failure(exc)}); offline, copy {name} "
+                        f"(MD5 {md5}) into {directory}/ or give --data a CIFAR directory or "
+                        "tarball") from None
     finally:
         logger.setLevel(level)
+
+
+def _causes(exc: BaseException):
+    """``exc`` and what it wraps: causes, contexts, urllib3's ``reason``, exceptions in args."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        wrapped = [getattr(e, "reason", None), e.__cause__, e.__context__, *e.args]
+        todo.extend(w for w in wrapped if isinstance(w, BaseException))
+
+
+def download_failure(exc: BaseException) -> str:
+    """Why a download failed, in a few whole words (not the library's nested repr).
+
+    >>> import socket
+    >>> download_failure(OSError(socket.gaierror(-3, "Temporary failure in name resolution")))
+    'no network: the host name does not resolve'
+    >>> download_failure(RuntimeError("x " * 200)).endswith("...")
+    True
+    """
+    import socket
+    for e in _causes(exc):
+        name = type(e).__name__
+        if isinstance(e, socket.gaierror) or name == "NameResolutionError":
+            return "no network: the host name does not resolve"
+        if isinstance(e, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(e, TimeoutError) or "Timeout" in name:
+            return "no answer: the connection timed out"
+        if name == "HTTPError" and getattr(e, "response", None) is not None:
+            return f"HTTP status {e.response.status_code}"
+        if isinstance(e, OSError) and e.strerror and not isinstance(e, ConnectionError):
+            return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 120 else text[:120].rsplit(" ", 1)[0] + " ..."
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,3 +19,14 @@ class ResumeError(UsageError):
 
 class DivergenceError(RuntimeError):
     """NaN or Inf appeared in a loss or in the weights."""
+
+
+class Interrupted(Exception):
+    """The run stopped on request (SIGINT/SIGTERM) at a round boundary; ``exit_status`` is 130/143.
+
+    The message is the one line to print: where it stopped and how to go on.
+    """
+
+    def __init__(self, message: str, exit_status: int):
+        super().__init__(message)
+        self.exit_status = exit_status

@@ -1,7 +1,10 @@
-"""Evaluate saved weights on a dataset's test split, one evaluate- task per test chunk (local threads)."""
+"""Trained models back from disk (``load_model(OUT)``) and their test accuracy, one evaluate- task per
+test chunk (local threads)."""
 from __future__ import annotations
 
+import json
 import uuid
+from pathlib import Path
 
 import dask
 
@@ -45,3 +48,56 @@ def evaluate_weights(model_name: str, weights: str, source: str, tta: bool = Fal
     n = sum(r["n"] for r in results)
     return dict(test_loss=sum(r["loss_sum"] for r in results) / n,
                 test_acc=sum(r["correct"] for r in results) / n, n=n)
+
+
+def run_config(out: str | Path):
+    """The :class:`~pipeline.config.Config` of run directory ``out`` (its config.json)."""
+    from pipeline.config import Config
+    path = Path(out) / "config.json"
+    try:
+        return Config.from_dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise DataError(f"{out} is not a run directory: it has no config.json") from None
+    except OSError as exc:
+        raise DataError(f"cannot read {path}: {exc.strerror}") from None
+    except (ValueError, TypeError) as exc:
+        raise DataError(f"{path} is unreadable ({exc})") from None
+
+
+def _n_classes(out: Path, config) -> int:
+    """Classes of the trained model: summary.json says (the data decides), else the config."""
+    try:
+        return int(json.loads((out / "summary.json").read_text())["n_classes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return config.model.n_classes
+
+
+def load_model(out: str | Path):
+    """The trained model of run directory ``out``: a Chainer Link of the architecture named in
+    ``OUT/config.json`` holding the weights of ``OUT/model.npz``, ready for inference::
+
+        from pipeline import load_model
+        model = load_model("runs/ipm")
+        with chainer.using_config("train", False):
+            logits = model(normalized_images)  # (N, 3, 32, 32) float32 -> (N, classes)
+
+    (``pipeline.tasks.predict_proba`` normalizes uint8 images and batches them.) An unfinished run
+    has no model.npz; its latest checkpoint's weights are in ``OUT/checkpoints/round-*/``.
+    """
+    out = Path(out)
+    config = run_config(out)
+    weights = out / "model.npz"
+    if not weights.is_file():
+        latest = sorted((out / "checkpoints").glob("round-*"))
+        hint = (f"; its latest checkpoint's weights: {latest[-1] / 'model.npz'}" if latest else "")
+        raise DataError(f"{out} has no model.npz: the run has not finished{hint}")
+    return load_weights(config.model.name, str(weights), _n_classes(out, config))
+
+
+def evaluate_run(out: str | Path, source: str | None = None, tta: bool = False) -> dict:
+    """:func:`evaluate_weights` of the model of run ``out``, on ``source`` (default: the run's data)."""
+    out = Path(out)
+    config = run_config(out)
+    load_model(out)  # one line for a run without model.npz, before any data is read
+    return evaluate_weights(config.model.name, str(out / "model.npz"),
+                            source or config.data.source, tta=tta)

@@ -16,6 +16,7 @@ each round's metrics dict (the lines of ``metrics.jsonl``)::
 """
 from __future__ import annotations
 
+import html
 import io
 import logging
 import sys
@@ -31,8 +32,8 @@ TOPIC = "training"  # scheduler event topic of the rounds
 ACTION = "training-round"  # the "action" of a round on the dashboard's /events page
 PAGE = "training"  # dashboard page path, under the dashboard's prefix
 REFRESH_MS = 500  # how often the /training page reads the event log
-_SCALARS = ("round", "epoch", "epoch_float", "step", "train_loss", "train_acc", "test_loss",
-            "test_acc", "lr", "images", "seconds", "bytes_averaged")
+_SCALARS = ("round", "rounds", "epoch", "epoch_float", "step", "train_loss", "train_acc",
+            "test_loss", "test_acc", "lr", "images", "seconds", "bytes_averaged")
 
 OnRound = Callable[[dict], None]
 
@@ -105,13 +106,16 @@ def live_figure(history: Sequence[dict], title: str = "") -> Figure:
     return fig
 
 
-def event_of(line: dict, run: str) -> dict:
+def event_of(line: dict, run: str, rounds: int | None = None) -> dict:
     """A round's metrics dict -> the scheduler event: msgpack-safe scalars, the run label and
-    ``action`` (what the /events page groups by); ``stage_seconds`` kept as a flat dict.
+    ``action`` (what the /events page groups by); ``stage_seconds`` kept as a flat dict;
+    ``rounds``, the run's number of rounds, when known.
 
     >>> event_of({"round": 2, "train_acc": 0.5, "stage_seconds": {"train": 1.5}}, "ipm")
     {'action': 'training-round', 'run': 'ipm', 'round': 2, 'train_acc': 0.5, 'stage_seconds': {'train': 1.5}}
     """
+    if rounds is not None:
+        line = {**line, "rounds": int(rounds)}
     event = {"action": ACTION, "run": str(run)}
     for key in _SCALARS:
         if key in line:
@@ -120,6 +124,70 @@ def event_of(line: dict, run: str) -> dict:
     if "stage_seconds" in line:
         event["stage_seconds"] = {str(k): float(v) for k, v in line["stage_seconds"].items()}
     return event
+
+
+def duration(seconds: float) -> str:
+    """Seconds as a short human duration.
+
+    >>> duration(42.4), duration(185), duration(7384)
+    ('42 s', '3 min 05 s', '2 h 03 min')
+    """
+    seconds = int(round(max(0.0, seconds)))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds // 60 % 60:02d} min"
+
+
+def progress_of(rows: Sequence[dict]) -> dict:
+    """Where a run stands from its published rounds (oldest first): rounds done, of how many,
+    seconds so far, the estimated seconds left, and the seconds per stage summed over the rounds.
+
+    The estimate is the mean time of the rounds seen in this session times the rounds left.
+
+    >>> p = progress_of([{"round": 0, "rounds": 4, "seconds": 3.0, "stage_seconds": {"train": 2}},
+    ...                  {"round": 1, "rounds": 4, "seconds": 5.0, "stage_seconds": {"train": 1}}])
+    >>> p["done"], p["rounds"], p["eta"], p["stages"]
+    (2, 4, 4.0, {'train': 3.0})
+    """
+    last = rows[-1]
+    done, total = int(last["round"]) + 1, last.get("rounds")
+    first = rows[0]
+    if len(rows) > 1 and last["round"] > first["round"]:
+        per_round = (last["seconds"] - first["seconds"]) / (last["round"] - first["round"])
+    else:
+        per_round = last.get("seconds", 0.0) / done
+    eta = per_round * (total - done) if total is not None else None
+    stages: dict[str, float] = {}
+    for row in rows:
+        for stage, seconds in (row.get("stage_seconds") or {}).items():
+            stages[stage] = stages.get(stage, 0.0) + float(seconds)
+    return {"done": done, "rounds": total, "seconds": last.get("seconds", 0.0), "eta": eta,
+            "stages": stages}
+
+
+def status_html(run: str, rows: Sequence[dict]) -> str:
+    """The /training page's heading: run name, "round X of N", time so far and ETA, the latest
+    line, and a table of seconds per stage (every value escaped: events come from any client).
+
+    >>> text = status_html("ipm-1", [{"round": 1, "rounds": 4, "epoch_float": 0.5,
+    ...                               "train_loss": 2.0, "train_acc": 0.3, "seconds": 10.0}])
+    >>> "<b>ipm-1</b>: round 2 of 4" in text, "ETA 10 s" in text
+    (True, True)
+    """
+    p = progress_of(rows)
+    of = f" of {p['rounds']}" if p["rounds"] is not None else ""
+    eta = (f", ETA {duration(p['eta'])}" if p["eta"] is not None and p["done"] < (p["rounds"] or 0)
+           else "")
+    head = (f"<b>{html.escape(str(run))}</b>: round {p['done']}{of} "
+            f"({duration(p['seconds'])} so far{eta})")
+    total = sum(p["stages"].values()) or 1.0
+    cells = "".join(f"<td style='padding:0 8px'>{html.escape(str(stage))}<br>{sec:.1f} s "
+                    f"({100 * sec / total:.0f}%)</td>"
+                    for stage, sec in sorted(p["stages"].items(), key=lambda kv: -kv[1]))
+    table = f"<table><tr><td>time per stage:</td>{cells}</tr></table>" if cells else ""
+    return f"{head}<br>{html.escape(format_line(rows[-1]))}{table}"
 
 
 def compose(*callbacks: OnRound | None) -> OnRound:
@@ -206,11 +274,19 @@ class DashboardEvents:
     page's link once added, else None.
     """
 
-    def __init__(self, client=None, run: str | None = None, page: bool = True):
+    def __init__(self, client=None, run: str | None = None, page: bool = True,
+                 rounds: int | None = None):
         self.run = run or f"run-{uuid.uuid4().hex[:8]}"
-        self.client, self.page, self.page_url = None, page, None
+        self.client, self.page, self.page_url, self.rounds = None, page, None, rounds
         if client is not None:
             self._attach(client)
+
+    def start(self, info) -> None:
+        """As a run-output hook (:mod:`pipeline.hooks`): the run's client and number of rounds,
+        so the page is there, and says "round X of N", from the first round on."""
+        self.rounds = len(info.rounds)
+        if self.client is None:
+            self._attach(info.client)
 
     def _attach(self, client) -> None:
         self.client = client
@@ -221,7 +297,7 @@ class DashboardEvents:
         if self.client is None:
             import distributed
             self._attach(distributed.default_client())
-        self.client.log_event([TOPIC, "all"], event_of(line, self.run))
+        self.client.log_event([TOPIC, "all"], event_of(line, self.run, self.rounds))
 
 
 def dashboard_events(client=None, run: str | None = None, page: bool = True) -> DashboardEvents:
@@ -367,5 +443,5 @@ class TrainingPage:
                            "train_acc": train["acc"], "round": [r["round"] for r in rows]}
         self.test.data = {"epoch": test["epoch"], "test_loss": test["loss"],
                           "test_acc": test["acc"], "round": [r["round"] for r in tested]}
-        self.div.text = f"<b>{run}</b>: {format_line(rows[-1])}"
+        self.div.text = status_html(run, rows)
 

@@ -55,9 +55,28 @@ def plan_rounds(n_train: int, replicas: int, batch_size: int, epochs: float, per
     >>> [r.mix for r in plan_rounds(5000, 2, 64, 1, 20, "mixture")]
     [False, True]
     """
+    return continue_plan([], n_train, replicas, batch_size, epochs, period, strategy)
+
+
+def continue_plan(done: list[Round], n_train: int, replicas: int, batch_size: int, epochs: float,
+                  period: int, strategy: str) -> list[Round]:
+    """``done`` (the rounds a run has finished) followed by the rounds that take it to ``epochs``.
+
+    What ``--resume OUT --epochs N`` runs: the finished rounds keep their boundaries, the new
+    ones start at the step where they ended. When the old run ended on an epoch boundary this is
+    exactly ``plan_rounds`` of the longer run, so the extension equals a run of N epochs.
+
+    >>> short = plan_rounds(5000, 4, 64, 1, 8, "ipm")
+    >>> continue_plan(short, 5000, 4, 64, 2, 8, "ipm") == plan_rounds(5000, 4, 64, 2, 8, "ipm")
+    True
+    >>> [(r.index, r.global_step, r.steps) for r in continue_plan(short[:1], 5000, 4, 64, 0.5, 8,
+    ...                                                           "ipm")]
+    [(0, 0, 8), (1, 8, 2)]
+    """
     per_epoch = steps_per_epoch(n_train, replicas, batch_size)
     total = max(1, int(round(epochs * per_epoch)))
-    rounds, global_step = [], 0
+    rounds = list(done)
+    global_step = done[-1].global_step + done[-1].steps if done else 0
     while global_step < total:
         epoch, step = divmod(global_step, per_epoch)
         steps = min(period, per_epoch - step, total - global_step)
@@ -66,7 +85,7 @@ def plan_rounds(n_train: int, replicas: int, batch_size: int, epochs: float, per
                             mix=strategy in ("ipm", "gradient"),
                             epoch_end=end % per_epoch == 0 or end == total))
         global_step = end
-    if strategy == "mixture":
+    if strategy == "mixture" and len(rounds) > len(done):
         rounds[-1] = rounds[-1]._replace(mix=True)
     return rounds
 

@@ -20,16 +20,14 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 import augment as aug
-from pipeline import checkpoint, tasks
+from pipeline import checkpoint, resume as resuming, tasks
 from pipeline.checkpoint import HostState
 from pipeline.config import Config
-from pipeline.errors import ClusterError, DivergenceError, ResumeError, UsageError
+from pipeline.errors import ClusterError, DivergenceError, Interrupted, ResumeError, UsageError
 from pipeline.models import build_model, check_model_name
-from pipeline.schedule import learning_rate, plan_rounds, round_period, steps_per_epoch
+from pipeline.schedule import continue_plan, learning_rate, round_period, steps_per_epoch
 from pipeline.state import set_state
 
-# Config fields that may change between a run and its resume (where and how it runs, not what).
-_RESUMABLE = {"cluster", "out", "progress"}
 _STAGES = ("load", "decode", "augment", "train", "average", "update", "evaluate")
 _OPTIONAL_STAGES = ("decode", "update")  # reported only in runs that have them
 _MAX_RETRIES = 3  # consecutive recoveries from lost workers before the run gives up
@@ -41,6 +39,7 @@ class TrainOutput(NamedTuple):
     params: dict  # the same weights as a state dict
     out: str | None
     config: Config
+    status: str = "done"  # "done", or "complete" when a resumed run had nothing left to do
 
 
 class _Live(NamedTuple):
@@ -63,23 +62,147 @@ def _log_default(message: str) -> None:
 
 
 def train(config: Config, client=None, *, resume: bool = False, overwrite: bool = False,
-          log: Callable[[str], None] | None = None, on_round: Callable[[dict], None] | None = None
-          ) -> TrainOutput:
+          log: Callable[[str], None] | None = None, on_round: Callable[[dict], None] | None = None,
+          stop=None, hooks=()) -> TrainOutput:
     """Train ``config`` on ``client`` (or on a LocalCluster/scheduler from ``config.cluster``).
 
-    ``on_round`` is called with each round's metrics dict (live plots in notebooks).
+    ``on_round`` is called with each round's metrics dict (live plots in notebooks). ``stop``
+    (a :class:`pipeline.interrupt.StopRequest`) is read between rounds: once requested, the run
+    finishes the rounds in flight, writes a checkpoint and raises
+    :class:`pipeline.errors.Interrupted`. ``hooks`` are run-output hooks (:mod:`pipeline.hooks`)
+    besides the ones the config asks for. The data, the device and a resumed checkpoint are
+    checked before any cluster starts.
     """
     log = log or _log_default
     config = _normalise(config)
     out = _prepare_out(config, resume, overwrite)
-    from pipeline.cluster import connect, local_gpus
+    found = resuming.load(out, config.to_dict(), log) if resume else None
+    # CIFAR and synthetic data are checked here, before a cluster starts; image folders and
+    # file lists are checked by scan- tasks on the cluster.
+    dataset = _load_dataset(config) if _reads_on_driver(config) else None
+    gpus = _check_device(config) if client is None else ()
+    prep = _prepare(config, out, dataset, found) if dataset is not None else None
+    if prep is not None and prep.complete:
+        return _already_complete(config, out, prep, log)
+    from pipeline.cluster import connect
     with contextlib.ExitStack() as stack:
         if client is None:
-            gpus = local_gpus() if config.train.device != "cpu" else ()
             client = stack.enter_context(connect(config.cluster, log=log, gpus=gpus))
+        if prep is None:
+            prep = _prepare(config, out, _load_dataset(config, client), found)
+            if prep.complete:
+                return _already_complete(config, out, prep, log)
         run = _Run(client, config, out, log, on_round)
-        run.overwrite = overwrite
+        run.overwrite, run.stop, run.prep = overwrite, stop, prep
+        run.hooks = list(hooks) + _config_hooks(config, out)
         return run.run(resume)
+
+
+class _Prepared(NamedTuple):
+    """What a run knows before a cluster starts: data, plan and the state it starts from."""
+    dataset: object  # pipeline.data.Dataset (lazy; validated on the driver)
+    rounds: list  # the plan: pipeline.schedule.Round for every round of the run
+    per_epoch: int
+    period: int
+    state: HostState | None  # the checkpoint a resume goes on from (None: from the start)
+
+    @property
+    def complete(self) -> bool:
+        return self.state is not None and self.state.round >= len(self.rounds) - 1
+
+
+def _reads_on_driver(config: Config) -> bool:
+    """Whether the data source is checked on the driver (CIFAR, synthetic), not in scan- tasks."""
+    from pipeline.data import READERS
+    cfg = config.data
+    reader = next((r for r in READERS if r.claims(cfg.source, cfg)), None)
+    return reader is None or reader.name in ("synthetic", "cifar")
+
+
+def _load_dataset(config: Config, client=None):
+    from pipeline.data import load_dataset
+    cfg = config.data
+    return load_dataset(cfg.source, cfg, download=cfg.download, client=client)
+
+
+def _check_device(config: Config) -> list:
+    """GPU ids for an embedded cluster; refuses ``--device gpu`` where it cannot work before a
+    cluster starts (with ``--scheduler`` the workers' resources decide, after connecting)."""
+    from pipeline.cluster import local_gpus, scheduler_address
+    device = config.train.device
+    if device == "cpu":
+        return []
+    gpus = local_gpus()
+    if device == "gpu" and scheduler_address(config.cluster) is None:
+        import importlib.util
+        if not gpus:
+            raise UsageError("--device gpu: this machine has no GPU for the local cluster "
+                             "(nvidia-smi lists none, or CUDA_VISIBLE_DEVICES is empty); use "
+                             "--device cpu, or --scheduler ADDR of a cluster with GPU workers")
+        if importlib.util.find_spec("cupy") is None:
+            raise UsageError("--device gpu needs CuPy: pip install -e '.[gpu]' (or --device cpu)")
+    return gpus
+
+
+def _plan(config: Config, n_train: int, done: list = ()) -> tuple[list, int, int]:
+    """(rounds, steps per epoch, local steps per round) for ``config`` after the ``done`` rounds."""
+    t = config.train
+    per_epoch = steps_per_epoch(n_train, t.replicas, t.batch_size)
+    period = round_period(t.strategy, config.average.period(per_epoch))
+    rounds = continue_plan(list(done), n_train, t.replicas, t.batch_size, t.epochs, period,
+                           t.strategy)
+    return rounds, per_epoch, period
+
+
+def _prepare(config: Config, out, dataset, found: "resuming.Resume | None") -> _Prepared:
+    n_train = int(dataset.train_images.shape[0])
+    state, done = None, []
+    if found is not None:
+        state = found.state
+        if state is not None:  # the finished rounds as the checkpoint's run planned them
+            before = config.replace(**{"train.epochs": found.saved["train"]["epochs"]})
+            done = _plan(before, n_train)[0][:state.round + 1]
+    rounds, per_epoch, period = _plan(config, n_train, done)
+    if state is not None and len(done) == len(rounds):
+        trained = (done[-1].global_step + done[-1].steps) / per_epoch
+        if trained > config.train.epochs + 1e-9:
+            raise ResumeError(f"{out} has trained {trained:g} epochs already, more than "
+                              f"--epochs {config.train.epochs:g}")
+    return _Prepared(dataset, rounds, per_epoch, period, state)
+
+
+def _already_complete(config: Config, out, prep: _Prepared, log) -> TrainOutput:
+    """A resume with nothing left to run: say so and return the run's final state; no cluster."""
+    epochs = config.train.epochs
+    log(f"{out} is complete: {len(prep.rounds)} rounds, {epochs:g} epochs; to train it longer "
+        f"give more epochs: --resume {out} --epochs {epochs * 2:g}")
+    history = _read_metrics(out)
+    params = {k: v for k, v in prep.state.params[0].items() if not k.startswith("opt/")}
+    model = set_state(build_model(config.model.name, prep.dataset.n_classes), params)
+    return TrainOutput(history, model, params, str(out), config, status="complete")
+
+
+def _read_metrics(out) -> list:
+    """The whole lines of ``OUT/metrics.jsonl`` (a torn last line is dropped)."""
+    lines = []
+    path = Path(out) / "metrics.jsonl"
+    for text in path.read_text().splitlines() if path.exists() else ():
+        try:
+            lines.append(json.loads(text))
+        except ValueError:
+            break
+    return lines
+
+
+def _config_hooks(config: Config, out) -> list:
+    """The run-output hooks the config asks for, and the chance-level watch every run has."""
+    from pipeline import hooks
+    chosen = [hooks.ChanceWatch()]
+    if out is not None and config.csv:
+        chosen.append(hooks.CSVLog(Path(out) / "metrics.csv"))
+    if out is not None and config.tensorboard:
+        chosen.append(hooks.TensorBoardLog(Path(out) / "tensorboard"))
+    return chosen
 
 
 def _normalise(config: Config) -> Config:
@@ -101,11 +224,12 @@ def _prepare_out(config: Config, resume: bool, overwrite: bool) -> Path | None:
     out = Path(config.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"output directory {out} exists and is not a directory")
-    if resume:
-        if not (out / "checkpoints").is_dir():
-            raise ResumeError(f"nothing to resume in {out}: it has no checkpoints/")
-    elif out.is_dir() and (out / "metrics.jsonl").exists() and not overwrite:
-        raise UsageError(f"{out} already holds a run; resume it with --resume or pick another --out")
+    if not resume and out.is_dir() and (out / "metrics.jsonl").exists() and not overwrite:
+        if not resuming.has_checkpoint(out) and not resuming.finished(out):
+            raise UsageError(f"{out} holds a run that stopped before its first checkpoint: start "
+                             f"it again with --resume {out}, or replace it with --overwrite")
+        raise UsageError(f"{out} already holds a run; resume it with --resume {out} (add --epochs "
+                         "N to train it longer) or pick another --out")
     parent = out.absolute()
     while not parent.exists():
         parent = parent.parent
@@ -122,9 +246,10 @@ def _make_out(out: Path, resume: bool, overwrite: bool) -> None:
     except OSError as exc:
         raise UsageError(f"cannot create output directory {out}: {exc.strerror}") from None
     if not resume and overwrite:
-        for name in ("metrics.jsonl", "model.npz", "curves.png", "summary.json"):
+        for name in ("metrics.jsonl", "metrics.csv", "model.npz", "curves.png", "summary.json"):
             (out / name).unlink(missing_ok=True)
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        shutil.rmtree(out / "tensorboard", ignore_errors=True)
 
 
 def _round_of(key) -> int | None:
@@ -184,11 +309,9 @@ class _Run:
     # ---- set-up --------------------------------------------------------------------------
     def _setup(self):
         from pipeline import cluster, graph
-        from pipeline.data import load_dataset
         cfg = self.config
         t0 = time.perf_counter()
-        dataset = load_dataset(cfg.data.source, cfg.data, download=cfg.data.download,
-                               client=self.client)
+        dataset = self.prep.dataset
         self.n_classes = dataset.n_classes
         device, train_res = self._device()
         augment_res = ({cfg.augment.resource: 1}
@@ -201,9 +324,7 @@ class _Run:
                                       augment_resources=augment_res)
         t = cfg.train
         self.K = t.replicas
-        self.per_epoch = steps_per_epoch(data.n_train, self.K, t.batch_size)
-        period = round_period(t.strategy, cfg.average.period(self.per_epoch))
-        self.rounds = plan_rounds(data.n_train, self.K, t.batch_size, t.epochs, period, t.strategy)
+        self.per_epoch, period, self.rounds = self.prep.per_epoch, self.prep.period, self.prep.rounds
         self.warmup_steps = int(round(t.warmup_epochs * self.per_epoch))
         self.opt_mode = cfg.average.optimizer_state if t.strategy == "ipm" else "keep"
         self.device = device
@@ -381,11 +502,14 @@ class _Run:
     # ---- the loop ------------------------------------------------------------------------
     def run(self, resume: bool) -> TrainOutput:
         from pipeline import averaging, graph
-        # A checkpoint that does not fit is refused before the data is loaded and sent out.
-        state = self._resume_state() if resume else None
+        state = self.prep.state
+        if state is not None:
+            self.log(f"resuming {self.out} after round {state.round}")
         self._setup()
         state = state or self._initial_state()
         self.payload_bytes = averaging.nbytes(state.params[0])
+        self._anchor = state
+        self._stop_before_start()
         if self.out is not None:
             _make_out(self.out, resume, self.overwrite)
             checkpoint.write_atomic(self.out / "config.json", self.config.to_json())
@@ -393,15 +517,65 @@ class _Run:
             self._truncate_metrics(state.round)
             for name in checkpoint.remove_temporaries(self.out):  # a killed driver's half-writes
                 self.log(f"removed {name}, left by an interrupted write")
-        self.start = self._last_collect = time.perf_counter()
+        # Wall time counts on from where the resumed run stopped: `seconds` never runs backwards.
+        done = self.history[-1]["seconds"] if self.history else 0.0
+        self.start = time.perf_counter() - done
+        self._last_collect = time.perf_counter()
         self._first_collected = state.round + 1
+        self._start_hooks()
         progress = self._progress(state.round + 1)
-        self._anchor = state
         self._attempt: dict = {}
-        with graph.task_stream(self.client) as stream, _quiet_connection_loss() as quiet:
-            state = self._run_recovering(stream, progress, quiet)
-        progress.close()
+        try:
+            with graph.task_stream(self.client) as stream, _quiet_connection_loss() as quiet:
+                state = self._run_recovering(stream, progress, quiet)
+        finally:
+            progress.close()
+            for hook in self.hooks:
+                getattr(hook, "close", lambda: None)()
         return self._finish(state)
+
+    # ---- run-output hooks and stopping on request ---------------------------------------
+    def _start_hooks(self) -> None:
+        from pipeline.hooks import RunInfo
+        info = RunInfo(self.client, self.config, self.out, self.rounds, self.per_epoch,
+                       self.n_classes, _dataset_label(self.config.data.source), self.history,
+                       self.log)
+        for hook in self.hooks:
+            getattr(hook, "start", lambda info: None)(info)
+
+    def _stop_before_start(self) -> None:
+        """A stop asked for during set-up: nothing ran, nothing is written."""
+        if self.stop is not None and self.stop.requested:
+            where = (f"; resume: python -m pipeline train --resume {self.out}"
+                     if self._anchor.round >= 0 else "; nothing was written")
+            raise Interrupted(f"interrupted ({self.stop.name}) before round "
+                              f"{self._anchor.round + 1}{where}", self.stop.exit_status)
+
+    def _stop_now(self, pending: list, stream, progress) -> None:
+        """Stop on request at this round boundary: collect the rounds in flight, checkpoint the
+        state after the last of them, raise Interrupted with the one line to print."""
+        while pending:
+            last = pending.pop(0)
+            self._emit(self._collect(last, stream), progress)
+            if not pending:
+                state = self._gather_state(last.rnd.index, last.live)
+                if self.out is not None and self._anchor.round != state.round:
+                    self._save_checkpoint(state)
+                self._anchor = state
+        r = self._anchor.round
+        if self.out is None:
+            message = f"interrupted after round {r}; no --out was given, so nothing was saved"
+        else:
+            from pipeline.plots import save_curves
+            save_curves(self.history, self.out / "curves.png", **self._curve_labels())
+            message = (f"interrupted after round {r} of {len(self.rounds)} ({self.stop.name}); "
+                       f"checkpoint saved; resume: python -m pipeline train --resume {self.out}")
+        raise Interrupted(message, self.stop.exit_status)
+
+    def _curve_labels(self) -> dict:
+        cfg = self.config
+        return dict(title=f"{cfg.train.strategy} K={self.K} {cfg.model.name}",
+                    dataset=_dataset_label(cfg.data.source), n_classes=self.n_classes)
 
     def _run_recovering(self, stream, progress, quiet: "_ConnectionLossFilter") -> HostState:
         """``_run_from`` the last anchor until the run is done; replay it after lost work.
@@ -414,7 +588,7 @@ class _Run:
             anchor = self._anchor
             try:
                 return self._run_from(anchor, stream, progress)
-            except DivergenceError:
+            except (DivergenceError, Interrupted):
                 self._forget_attempt()
                 raise
             except Exception as exc:
@@ -442,6 +616,8 @@ class _Run:
         prefetch = self.config.augment.prefetch
         state = anchor
         for rnd in self.rounds[anchor.round + 1:]:
+            if self.stop is not None and self.stop.requested:
+                self._stop_now(pending, stream, progress)
             self._submit_augment(rnd.index + prefetch, augments)
             pending.append(self._submit_round(rnd, live, augments))
             live = attempt["live"] = pending[-1].live
@@ -463,6 +639,8 @@ class _Run:
         if self.out is not None:
             with open(self.out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(line) + "\n")  # one write per whole line
+        for hook in self.hooks:
+            hook(line)
         if self.on_round:
             self.on_round(line)
         progress.update(1)
@@ -575,27 +753,9 @@ class _Run:
         checkpoint.save(self.out, state, self._final_params(state), self._comparable())
 
     def _comparable(self) -> dict:
-        return {k: v for k, v in self.config.to_dict().items() if k not in _RESUMABLE}
-
-    def _resume_state(self) -> HostState:
-        found = checkpoint.load_latest(self.out, warn=self.log)
-        if found is None:
-            raise ResumeError(f"no readable checkpoint in {self.out / 'checkpoints'}")
-        state, meta = found
-        saved, now = meta["config"], self._comparable()
-        for section in sorted(set(saved) | set(now)):
-            a, b = saved.get(section), now.get(section)
-            if isinstance(a, dict) and isinstance(b, dict):
-                for key in sorted(set(a) | set(b)):
-                    if a.get(key) != b.get(key):
-                        raise ResumeError(
-                            f"{self.out} was written by a different run: {section}.{key} is "
-                            f"{a.get(key)!r} there and {b.get(key)!r} now")
-            elif a != b:
-                raise ResumeError(f"{self.out} was written by a different run: {section} is "
-                                  f"{a!r} there and {b!r} now")
-        self.log(f"resuming {self.out} after round {state.round}")
-        return state
+        """The config a checkpoint records: all but where and how the run ran (its epochs kept:
+        a resume plans the finished rounds by them)."""
+        return {k: v for k, v in self.config.to_dict().items() if k not in resuming.RESUMABLE}
 
     def _truncate_metrics(self, last_round: int) -> None:
         path = self.out / "metrics.jsonl"
@@ -621,13 +781,24 @@ class _Run:
             tmp = self.out / ".model.npz.tmp.npz"
             serializers.save_npz(str(tmp), model)
             tmp.replace(self.out / "model.npz")
-            save_curves(self.history, self.out / "curves.png",
-                        title=f"{self.config.train.strategy} K={self.K} {self.config.model.name}")
+            save_curves(self.history, self.out / "curves.png", **self._curve_labels())
             last = self.history[-1] if self.history else {}
-            summary = dict(rounds=len(self.rounds), seconds=last.get("seconds"),
+            summary = dict(status="done", rounds=len(self.rounds),
+                           epochs=self.config.train.epochs, seconds=last.get("seconds"),
                            train_acc=last.get("train_acc"), test_acc=last.get("test_acc"),
-                           test_loss=last.get("test_loss"))
+                           test_loss=last.get("test_loss"), model=self.config.model.name,
+                           n_classes=self.n_classes,
+                           dataset=_dataset_label(self.config.data.source))
             checkpoint.write_atomic(self.out / "summary.json", json.dumps(summary, indent=1))
         return TrainOutput(self.history, model, params, str(self.out) if self.out else None,
                            self.config)
 
+
+
+def _dataset_label(source: str) -> str:
+    """A short name for the data in titles: the directory or archive name, or synthetic:N:M.
+
+    >>> _dataset_label("/data/cifar-10-batches-py/"), _dataset_label("synthetic")
+    ('cifar-10-batches-py', 'synthetic')
+    """
+    return Path(str(source).rstrip("/")).name or str(source)
