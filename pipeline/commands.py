@@ -207,7 +207,7 @@ def _run_train(args) -> int:
         config = config.replace(out=default_out(config.train.strategy))
         print(f"output: {config.out} (--out)", file=sys.stderr, flush=True)
     page = live.DashboardEvents(run=Path(config.out).name)  # the /training page of this run
-    with graceful_stop() as stop:
+    with graceful_stop() as stop, live.dashboard_log(Path(config.out) / "dashboard.log"):
         result = train(config, resume=bool(args.resume), overwrite=args.overwrite, stop=stop,
                        hooks=[page])
     if result.status == "complete":
@@ -330,6 +330,7 @@ def _run_demo(args) -> int:
     config = Config().replace(**{
         "data.source": source, "model.name": "small-cnn", "train.strategy": "ipm",
         "train.replicas": 4, "train.batch_size": 16, "train.lr": 0.02, "train.epochs": args.epochs,
+        "train.warmup_epochs": 0.25,  # without it small-cnn sits at chance for the first epoch
         "average.mix_every": "5", "augment.policy": "cifar", "cluster.workers": 2,
         "cluster.threads_per_worker": 1, "out": str(out), "seed": 0})
     result = train(config, overwrite=True, log=log)

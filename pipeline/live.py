@@ -16,13 +16,15 @@ each round's metrics dict (the lines of ``metrics.jsonl``)::
 """
 from __future__ import annotations
 
+import contextlib
 import html
 import io
 import logging
 import sys
 import uuid
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 from matplotlib.figure import Figure
 
@@ -262,6 +264,46 @@ class LivePlot:
 
 # ---------------------------------------------------------------------------------------------
 # Dask dashboard
+
+# Loggers of the dashboard's web server. Its pages fail now and then on keys they do not expect
+# (the Groups page: KeyError on our stage groups) and when a browser tab closes (Bokeh: "error
+# handling message", AssertionError): errors of a web page, not of the run.
+DASHBOARD_LOGGERS = ("distributed.dashboard", "bokeh", "tornado", "tornado.application")
+
+
+class _FileHandlerMakingDirs(logging.FileHandler):
+    """A FileHandler that creates the file (and its directory) at its first record only."""
+
+    def __init__(self, path: str | Path):
+        super().__init__(str(path), delay=True)
+
+    def _open(self):
+        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        return super()._open()
+
+
+@contextlib.contextmanager
+def dashboard_log(path: str | Path) -> Iterator[Path]:
+    """For the block, the dashboard web server's own reports (:data:`DASHBOARD_LOGGERS`) go to
+    the file ``path`` (made at the first one) instead of the terminal, so a browser on the
+    dashboard never scrolls tracebacks into the training output. Matters where the scheduler
+    runs in this process (the embedded cluster)."""
+    import distributed  # noqa: F401  its import (re)configures these loggers: ours must come after
+    handler = _FileHandlerMakingDirs(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s - %(name)s - %(levelname)s - %(message)s"))
+    saved = []
+    for name in DASHBOARD_LOGGERS:
+        logger = logging.getLogger(name)
+        saved.append((logger, logger.handlers[:], logger.propagate))
+        logger.handlers = [handler]
+        logger.propagate = False
+    try:
+        yield Path(path)
+    finally:
+        for logger, handlers, propagate in saved:
+            logger.handlers, logger.propagate = handlers, propagate
+        handler.close()
+
 
 
 class DashboardEvents:

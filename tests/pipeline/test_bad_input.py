@@ -300,10 +300,29 @@ def test_out_holding_a_run_is_not_overwritten(capsys, run_copy, scheduler):
 # --- cluster state -------------------------------------------------------------------------------
 
 
-def test_no_worker_with_the_gpu_resource(capsys, tmp_path, monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # a CPU-only embedded cluster, even on a GPU host
+def test_gpu_without_a_gpu_is_refused_before_a_cluster_starts(capsys, tmp_path, monkeypatch):
+    import pipeline.cluster
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU for an embedded cluster, even on a GPU host
+    monkeypatch.setattr(pipeline.cluster, "connect", _no_cluster)
     line = _train(capsys, *GOOD, "--device", "gpu", "--workers", "1", out=tmp_path / "out")
-    assert "no worker advertises resource 'GPU'" in line
+    assert "--device gpu: this machine has no GPU for the local cluster" in line
+    assert "waited" not in line and "dask worker" not in line  # no advice for another cluster
+
+
+def _no_cluster(*args, **kwargs):
+    raise AssertionError("a cluster was started for input that should be refused before")
+
+
+def test_bad_data_is_refused_before_a_cluster_starts(capsys, tmp_path, monkeypatch):
+    import pipeline.cluster
+    monkeypatch.setattr(pipeline.cluster, "connect", _no_cluster)
+    line = _train(capsys, *GOOD, "--data", str(tmp_path / "nowhere"), out=tmp_path / "out")
+    assert "nowhere: no such file or directory" in line
+
+
+def test_no_worker_with_the_gpu_resource_on_a_scheduler(capsys, tmp_path, scheduler):
+    line = _train(capsys, *GOOD, "--device", "gpu", "--scheduler", scheduler, out=tmp_path / "out")
+    assert "no worker advertises resource 'GPU' (waited 5 s)" in line  # cluster.resource_timeout
 
 
 def test_refused_input_creates_no_output_directory(capsys, tmp_path, scheduler):

@@ -185,7 +185,23 @@ def test_training_page_shows_the_latest_run():
     scheduler.events.append((9.0, live.event_of(HISTORY[0], "second")))
     page.update()
     assert page.train.data["round"] == [0] and page.test.data["epoch"] == []
-    assert page.div.text.startswith("<b>second</b>: round 0")
+    assert page.div.text.startswith("<b>second</b>: round 1 (")
+
+
+def test_training_page_says_round_x_of_n_eta_and_time_per_stage():
+    scheduler = _FakeScheduler()
+    page = live.TrainingPage(scheduler)
+    rows = [dict(line, seconds=10.0 * (i + 1), stage_seconds={"train": 6.0, "augment": 2.0})
+            for i, line in enumerate(HISTORY[:2])]
+    scheduler.events = [(float(i), live.event_of(x, "ipm-20260101-120000", rounds=8))
+                        for i, x in enumerate(rows)]
+    page.update()
+    text = page.div.text
+    assert text.startswith("<b>ipm-20260101-120000</b>: round 2 of 8 (20 s so far, ETA 1 min 00 s)")
+    assert "train<br>12.0 s (75%)" in text and "augment<br>4.0 s (25%)" in text
+    scheduler.events.append((9.0, live.event_of(dict(rows[0], round=7), "<script>x</script>", 8)))
+    page.update()
+    assert "<script>" not in page.div.text and "&lt;script&gt;" in page.div.text
 
 
 def test_callbacks_see_every_round_of_a_real_run(dask_client):
