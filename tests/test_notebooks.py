@@ -67,7 +67,9 @@ def _outputs(nb, kind: str) -> list:
 def test_notebook_executes(path, tmp_path, monkeypatch):
     _kernel_env(monkeypatch)
     start = time.perf_counter()
-    nb = execute(path, tmp_path)
+    workdir = tmp_path / "notebooks"  # where Jupyter starts a kernel: beside the notebook
+    workdir.mkdir()
+    nb = execute(path, workdir)
     seconds = time.perf_counter() - start
     assert not _outputs(nb, "error")
     assert all(c.execution_count for c in nb.cells if c.cell_type == "code")
@@ -77,8 +79,9 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
     assert "Traceback" not in stderr, stderr[-3000:]
     if path.name == "01-quickstart.ipynb":
         assert len(images) >= 4  # grid, augmentation preview, live plot, curves
-    if path.name == "03-cluster.ipynb":
-        assert (tmp_path / "training-report.html").stat().st_size > 50_000
+    if path.name == "03-cluster.ipynb":  # under runs/ at the root, ignored by git
+        assert (tmp_path / "runs" / "notebooks" / "training-report.html").stat().st_size > 50_000
+    assert not [p.name for p in workdir.iterdir()], "a notebook wrote files beside itself"
     print(f"{path.name}: {seconds:.0f} s")
 
 
@@ -98,4 +101,4 @@ def test_cluster_notebook_on_a_dask_scheduler(tmp_path, monkeypatch):
     assert stdout.count("1 thread(s), resources CPU=1") == 2
     html = "".join(o.data["text/html"] for o in _outputs(nb, "text/html"))
     assert cluster.dashboard.replace("/status", "/training") in html
-    assert (tmp_path / "training-report.html").stat().st_size > 50_000
+    assert (tmp_path / "runs" / "notebooks" / "training-report.html").stat().st_size > 50_000

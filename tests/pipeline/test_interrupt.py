@@ -1,0 +1,157 @@
+"""Ctrl-C and SIGTERM with real processes: `python -m pipeline train` on its embedded cluster gets
+the signal as a terminal (or a batch scheduler) sends it, to the whole process group; it stops at
+a round boundary with a checkpoint and one line, exits 130 or 143, and `--resume` then finishes
+with the weights of a run that was never interrupted, byte for byte.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline import interrupt
+from pipeline.cli import build_parser
+from pipeline.commands import config_from_args
+from pipeline.compat import serializers
+from pipeline.errors import Interrupted
+from pipeline.models import build_model
+from pipeline.state import get_state
+from pipeline.training import train
+from tests.pipeline.clusters import REPO
+
+# 256 images, K=3 x batch 8, H=1: 20 rounds of ~0.1 s in 2 epochs; checkpoints at rounds 9, 19.
+ARGS = ["--data", "synthetic:256:64", "--model", "small-cnn", "--strategy", "ipm",
+        "--replicas", "3", "--batch-size", "8", "--mix-every", "1", "--epochs", "2",
+        "--lr", "0.02", "--augment", "cifar", "--seed", "5", "--no-progress"]
+ROUNDS = 20
+# What a stopped run may print on stderr besides its last line: nothing from the workers.
+INFO_PREFIXES = ("output: ", "started local cluster ", "ipm: ", "resuming ")
+
+
+@pytest.fixture(scope="module")
+def reference(dask_client) -> dict:
+    config = config_from_args(build_parser().parse_args(["train", *ARGS]))
+    return train(config, client=dask_client).params
+
+
+def _cli(*args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
+    env.pop("DASK_SCHEDULER_ADDRESS", None)
+    # Its own session: the test signals its process group as a terminal signals the foreground
+    # job (the driver and the embedded cluster's worker processes alike).
+    return subprocess.Popen([sys.executable, "-m", "pipeline", "train", *args], cwd=str(REPO),
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _wait_for_rounds(out: Path, n: int, proc: subprocess.Popen, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    path = out / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= n:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended early ({proc.returncode}):\n"
+                                 f"{proc.communicate()[1][-3000:]}")
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError(f"{path} did not reach {n} lines in {timeout:g} s")
+
+
+def _saved_weights(out: Path) -> dict:
+    model = build_model("small-cnn")
+    serializers.load_npz(str(out / "model.npz"), model)
+    return get_state(model)
+
+
+def _equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes(), k
+
+
+def _stop_with(sig: int, driver: subprocess.Popen, out: Path, after: int) -> int:
+    """Send ``sig`` to the driver's process group once round ``after`` is reported; check the
+    exit status, the one line and the checkpoint; return the round it stopped after."""
+    _wait_for_rounds(out, after + 1, driver)
+    os.killpg(driver.pid, sig)  # the whole group: driver and worker processes
+    _, stderr = driver.communicate(timeout=60)
+    assert driver.returncode == 128 + sig, stderr
+    lines = stderr.strip().splitlines()
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert all(x.startswith(INFO_PREFIXES) for x in lines[:-1]), stderr
+    last = lines[-1]
+    assert last.startswith("interrupted after round ") and last.endswith(
+        f"({signal.Signals(sig).name}); checkpoint saved; resume: python -m pipeline train "
+        f"--resume {out}"), last
+    stopped = int(last.split()[3])
+    assert after <= stopped < ROUNDS - 1
+    assert (out / "checkpoints" / f"round-{stopped:06d}").is_dir()
+    assert _rounds(out) == list(range(stopped + 1)) and not (out / "model.npz").exists()
+    return stopped
+
+
+def _rounds(out: Path) -> list[int]:
+    return [json.loads(x)["round"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _seconds(out: Path) -> list[float]:
+    return [json.loads(x)["seconds"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_sigint_then_sigterm_mid_run_stop_with_checkpoints_and_resume_to_identical_weights(
+        tmp_path, reference):
+    out = tmp_path / "run"
+    first = _stop_with(signal.SIGINT, _cli(*ARGS, "--workers", "1", "--out", str(out)), out, 3)
+    second = _stop_with(signal.SIGTERM, _cli("--resume", str(out), "--workers", "1",
+                                             "--no-progress"), out, first + 4)
+    resumed = _cli("--resume", str(out), "--workers", "1", "--no-progress")
+    stdout, stderr = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, stderr
+    assert f"resuming {out} after round {second}" in stderr
+    assert stdout.startswith(f"done: {ROUNDS} rounds")
+    _equal(_saved_weights(out), reference)
+    assert _rounds(out) == list(range(ROUNDS))
+    seconds = _seconds(out)
+    assert seconds == sorted(seconds)  # wall time counts on across both resumes
+
+
+def test_a_stop_request_in_process_stops_at_a_round_boundary(tmp_path, dask_client, reference):
+    """The driver's side alone (no signal): a request during round 5 stops after the rounds in
+    flight, checkpoints the last of them, and a resume gives the uninterrupted weights."""
+    config = config_from_args(build_parser().parse_args(["train", *ARGS, "--out",
+                                                         str(tmp_path)]))
+    stop = interrupt.StopRequest()
+
+    def request_at_round_5(line):
+        if line["round"] == 5:
+            stop.request(signal.SIGTERM)
+
+    with pytest.raises(Interrupted) as err:
+        train(config, client=dask_client, on_round=request_at_round_5, stop=stop)
+    assert err.value.exit_status == 143
+    stopped = int(str(err.value).split()[3])
+    assert stopped in (5, 6)  # round 6 may already be in flight when round 5 is reported
+    assert (tmp_path / "checkpoints" / f"round-{stopped:06d}").is_dir()
+    result = train(config, client=dask_client, resume=True)
+    _equal(result.params, reference)
+
+
+def test_graceful_stop_sets_the_request_then_forces_on_a_second_signal():
+    with interrupt.graceful_stop() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert stop.requested and stop.exit_status == 143
+        with pytest.raises(interrupt.ForcedStop) as err:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+    assert err.value.exit_status == 130
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # put back
