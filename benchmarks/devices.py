@@ -16,11 +16,11 @@ from _common import emit  # noqa: I001
 
 
 def devices():
-    found = ["@numpy"]
+    found = ["cpu"]
     try:
         import cupy
         if cupy.cuda.runtime.getDeviceCount() > 0:
-            found.append("@cupy:0")
+            found.append("gpu")
     except Exception:
         pass
     return found
@@ -32,11 +32,11 @@ def images_per_second(model: str, device: str, batch: int, steps: int) -> float:
     images, labels = synthetic_batch(0, "train", 0, batch * steps)
     params = tasks.init_params(model, 10, seed=0)
     spec = tasks.StepSpec(model, 10, "momentum", 0.9, 0.0, (0.01,) * steps, batch, "steps",
-                          "keep", 0, 0, 0, device)
+                          0, 0, 0, device)
     shard = tasks.Shard(images, labels)
     warm = spec._replace(lrs=(0.01,))
     tasks.train(params, None, shard, warm)
-    if device != "@numpy":
+    if device != "cpu":
         import cupy
         cupy.cuda.Device().synchronize()
     start = time.perf_counter()

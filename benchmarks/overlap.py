@@ -30,18 +30,19 @@ def augment_only(client, cfg) -> float:
     """Seconds to run every augment- task of the run, with no training."""
     from distributed import wait
 
-    from pipeline import graph
+    from pipeline import graph, strategies
     from pipeline.data import load_dataset
-    from pipeline.schedule import plan_rounds, round_period, steps_per_epoch
+    from pipeline.schedule import steps_per_epoch
+    from pipeline.strategies.base import Context
     ds = load_dataset(cfg.data.source)
     data = graph.persist_dataset(client, ds)
     wait(data.train_images + data.train_labels)
-    g = graph.RoundGraph(client, data, cfg, n_classes=ds.n_classes, device="@numpy",
+    g = graph.RoundGraph(client, data, cfg, n_classes=ds.n_classes, device="cpu",
                          train_resources=None, augment_resources=None)
     t = cfg.train
     per_epoch = steps_per_epoch(data.n_train, t.replicas, t.batch_size)
-    rounds = plan_rounds(data.n_train, t.replicas, t.batch_size, t.epochs,
-                         round_period(t.strategy, cfg.average.period(per_epoch)), t.strategy)
+    ctx = Context(cfg, t.replicas, data.n_train, per_epoch, ds.n_classes, "cpu")
+    rounds = strategies.get(t.strategy)(ctx, g).rounds()
     start = time.perf_counter()
     futures = [g.submit_augment(r, k, t.replicas, t.batch_size) for r in rounds
                for k in range(t.replicas)]

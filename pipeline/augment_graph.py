@@ -1,9 +1,13 @@
-"""Builds the augment- stage: a policy mapped over fixed global-index chunks of a Dask image array.
+"""The augment- stage, one path for training and for arrays: the positions of an epoch decide the parameters.
+
+Training's ``augment`` tasks gather a replica's shard from the persisted blocks; ``augment_array``
+maps a policy over fixed global-index chunks of a Dask image array. Both end in
+``augment_positions``, so an image's augmentation is the same whichever path produced it.
 
 The chunk plan comes from the config (``augment.chunk`` images per chunk, by global index), never
 from the number of workers, and chunk j of epoch e draws its parameters from
 ``rng_for(seed, "augment", e, j)`` (`augment_rng`), the same derivation as
-``augment.sample_for_positions``. So the augmented bytes of every image are a function of
+``aug.sample_for_positions``. So the augmented bytes of every image are a function of
 (seed, epoch, position) only: one worker or twenty, threads or processes, give the same result.
 
 Graph shape: one ``("augment-<token>", epoch, j)`` task per chunk (dashboard label "augment"),
@@ -29,8 +33,9 @@ from dask.base import tokenize
 from dask.array.optimization import optimize as array_optimize
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
-import augment
+import augment as aug
 from pipeline.rng import rng_for
+from pipeline.tasks import Shard
 
 
 class AugmentTask(Task):
@@ -54,16 +59,47 @@ def augment_rng(seed: int, epoch: int) -> Callable[[int], np.random.Generator]:
     return functools.partial(rng_for, seed, "augment", epoch)
 
 
-def augment_chunk(images: np.ndarray, policy: augment.Compose, seed: int, epoch: int,
+def augment_positions(images: np.ndarray, positions: np.ndarray, policy: aug.Compose,
+                      seed: int, epoch: int, chunk: int) -> np.ndarray:
+    """The kernel of both paths: ``images[i]`` sits at ``positions[i]`` of the epoch's order.
+
+    The parameters of position p come from ``rng_for(seed, "augment", epoch, p // chunk)``, so a
+    sample's augmentation does not depend on how positions are split among tasks.
+    (n, C, H, W) uint8 -> same.
+    """
+    params = aug.sample_for_positions(policy, augment_rng(seed, epoch), positions, chunk)
+    return policy.apply(images, params)
+
+
+def augment_chunk(images: np.ndarray, policy: aug.Compose, seed: int, epoch: int,
                   chunk_index: int, chunk: int) -> np.ndarray:
     """Task body: augment chunk ``chunk_index`` (global positions ``chunk_index*chunk ...``).
 
     images: (n, C, H, W) uint8 with n <= chunk (the last chunk may be short) -> same.
     """
     start = chunk_index * chunk
-    positions = np.arange(start, start + len(images))
-    params = augment.sample_for_positions(policy, augment_rng(seed, epoch), positions, chunk)
-    return policy.apply(images, params)
+    return augment_positions(images, np.arange(start, start + len(images)), policy, seed, epoch,
+                             chunk)
+
+
+def augment(image_blocks: list, label_blocks: list, starts: tuple, indices: np.ndarray,
+            positions: np.ndarray, policy: str, seed: int, epoch: int, chunk: int) -> Shard:
+    """Task body of training: gather one replica's shard from the raw blocks and augment it.
+
+    ``indices`` are dataset rows, ``positions`` their places in the epoch's order (see
+    ``augment_positions``). Returns uint8 (n, 3, 32, 32) images and int32 labels.
+    """
+    first = image_blocks[0]
+    images = np.empty((len(indices),) + first.shape[1:], dtype=first.dtype)
+    labels = np.empty(len(indices), dtype=np.int32)
+    ends = tuple(starts[1:]) + (starts[-1] + len(image_blocks[-1]),)
+    for block_images, block_labels, lo, hi in zip(image_blocks, label_blocks, starts, ends):
+        mask = (indices >= lo) & (indices < hi)
+        if mask.any():
+            images[mask] = block_images[indices[mask] - lo]
+            labels[mask] = block_labels[indices[mask] - lo]
+    return Shard(augment_positions(images, positions, aug.get_policy(policy), seed, epoch,
+                                   chunk), labels)
 
 
 class KeyAnnotation:
@@ -106,7 +142,7 @@ def _check_args(images, seed: int, epoch: int, chunk: int) -> None:
         raise ValueError(f"seed and epoch must be >= 0, got seed={seed}, epoch={epoch}")
 
 
-def augment_array(images: da.Array, policy: augment.Compose, seed: int, epoch: int, chunk: int,
+def augment_array(images: da.Array, policy: aug.Compose, seed: int, epoch: int, chunk: int,
                   resources: dict | None = None) -> da.Array:
     """The epoch's augmented images: (N, C, H, W) uint8 dask array -> same shape, chunks of ``chunk``.
 
@@ -140,5 +176,5 @@ def cpu_resources(client, name: str = "CPU") -> dict | None:
     Annotating with a resource no worker has would leave the tasks waiting forever, so a plain
     LocalCluster gets no annotation and runs augment- tasks anywhere.
     """
-    workers = client.scheduler_info(n_workers=-1)["workers"].values()
-    return {name: 1} if any(w.get("resources", {}).get(name, 0) > 0 for w in workers) else None
+    from pipeline.cluster import has_resource  # the one resource probe
+    return {name: 1} if has_resource(client, name) else None

@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from pipeline import errors
 from pipeline.errors import DataError
 from pipeline.rng import rng_for
 
@@ -234,9 +235,8 @@ def _catalog(lay: Layout, read, files: dict, stamp: tuple, label_kind: str) -> C
 
 
 def one_line(exc: BaseException) -> str:
-    """One line from an exception."""
-    text = " ".join(str(getattr(exc, "strerror", None) or exc).split())
-    return text[:200] or type(exc).__name__
+    """One line from an exception (``errors.one_line`` without the type, at most 200 chars)."""
+    return errors.one_line(exc, kind=False, limit=200)
 
 
 def _stamp(path: str) -> tuple:

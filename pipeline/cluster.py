@@ -15,7 +15,8 @@ from dask.system import CPU_COUNT
 from distributed.security import Security
 
 from pipeline.config import ClusterConfig
-from pipeline.errors import ClusterError
+from pipeline.errors import ClusterError, one_line
+from pipeline.threads import limit_blas_threads, worker_threads  # noqa: F401 (one home: threads)
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ def _embedded_cluster(cfg: ClusterConfig, gpus: list[str]) -> Iterator[distribut
         cluster = _start_embedded(cfg, gpus)
     except RuntimeError as exc:  # "Nanny failed to start": the worker processes died starting
         raise ClusterError(f"could not start the local cluster's worker processes: "
-                           f"{_one_line(exc)} (a script that starts one needs "
+                           f"{one_line(exc, kind=False)} (a script that starts one needs "
                            f"`if __name__ == '__main__':` around it)") from exc
     _EMBEDDED.add(cluster)
     # Client before cluster on the way out: the reverse order logs CommClosedError tracebacks.
@@ -175,7 +176,7 @@ def _external_client(address: str, security: Security | None,
         client = distributed.Client(address, security=security, timeout=timeout)
     except (OSError, RuntimeError, ValueError) as exc:  # OSError covers TimeoutError and refusals
         raise ClusterError(f"cannot reach scheduler at {address} within {timeout:g} s: "
-                           f"{_one_line(exc)}") from None
+                           f"{one_line(exc, kind=False)}") from None
     with client:
         yield client
 
@@ -198,11 +199,6 @@ def _with_protocol(address: str, security: Security | None) -> str:
     if not address.startswith("tls://"):
         raise ClusterError(f"TLS files given but scheduler address {address} is not tls://")
     return address
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text or type(exc).__name__
 
 
 def worker_resources(client: distributed.Client) -> dict[str, dict[str, float]]:
@@ -327,38 +323,3 @@ def _summary_line(what: str, client: distributed.Client) -> str:
     res = " ".join(f"{k}={v:g}" for k, v in d["resources"].items()) or "none"
     return (f"{what} {d['scheduler']}: {d['workers']} workers, {d['threads']} threads, "
             f"resources {res}; dashboard {d['dashboard'] or '(off)'}")
-
-
-def worker_threads() -> int:
-    """Threads of the worker running the current task; the usable cores outside a worker.
-
-    A task that has its worker to itself (a `--nthreads 1` worker, as docs/cluster.md recommends,
-    or a task holding all of the worker's CPU resource) can run this many BLAS threads without
-    oversubscribing the cores the worker was given; see `limit_blas_threads`.
-
-    >>> worker_threads() >= 1
-    True
-    """
-    try:
-        return distributed.get_worker().state.nthreads
-    except ValueError:  # not inside a task
-        pass
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
-
-
-@contextlib.contextmanager
-def limit_blas_threads(threads: int | None = None) -> Iterator[int]:
-    """Cap BLAS/OpenMP pools at `threads` (default: `worker_threads()`) for the block; yields it.
-
-    The limit is per process (threadpoolctl), so it is exact on one-thread workers.
-
-    >>> with limit_blas_threads(1) as n:
-    ...     n
-    1
-    """
-    from threadpoolctl import threadpool_limits
-    threads = threads or worker_threads()
-    with threadpool_limits(limits=threads):
-        yield threads

@@ -6,7 +6,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
-STRATEGIES = ("single", "gradient", "mixture", "ipm")
+from pipeline.strategies import NAMES as STRATEGIES  # the registry names them
+
 OPTIMIZERS = ("sgd", "momentum", "adam")
 DEVICES = ("cpu", "gpu", "auto")
 OPT_STATE_MODES = ("keep", "reset", "average")
@@ -77,7 +78,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    strategy: str = "ipm"  # single | gradient | mixture | ipm (seed 000's data-parallel table)
+    strategy: str = "ipm"  # single | gradient | mixture | ipm | async (pipeline.strategies)
     replicas: int = 4  # K model replicas; independent of the number of workers
     epochs: float = 2.0  # passes over the training set (fractions allowed, e.g. 0.5)
     batch_size: int = 64  # images per replica per step (B); gradient's global batch is K x B
@@ -85,6 +86,9 @@ class TrainConfig:
     lr: float = 0.01  # replica learning rate (Adam: alpha), before scaling and warmup
     momentum: float = 0.9  # momentum optimizer only
     weight_decay: float = 0.0  # L2 coefficient, applied by the optimizer
+    beta1: float = 0.9  # Adam's first-moment decay
+    beta2: float = 0.999  # Adam's second-moment decay
+    adam_eps: float = 1e-8  # Adam's epsilon
     lr_scaling: str = "none"  # none | linear | sqrt: multiply lr by K or sqrt(K) (Horovod, seed 004)
     warmup_epochs: float = 0.0  # linear warmup from lr/K... to lr over this many epochs (seed 004)
     device: str = "cpu"  # cpu | gpu | auto (gpu when a worker advertises the GPU resource)
@@ -104,6 +108,9 @@ class TrainConfig:
         _check(self.lr > 0, "train.lr", "must be > 0", self.lr)
         _check(0 <= self.momentum < 1, "train.momentum", "must be in [0, 1)", self.momentum)
         _check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0", self.weight_decay)
+        _check(0 <= self.beta1 < 1, "train.beta1", "must be in [0, 1)", self.beta1)
+        _check(0 <= self.beta2 < 1, "train.beta2", "must be in [0, 1)", self.beta2)
+        _check(self.adam_eps > 0, "train.adam_eps", "must be > 0", self.adam_eps)
         _check(self.lr_scaling in LR_SCALINGS, "train.lr_scaling", f"must be one of {LR_SCALINGS}",
                self.lr_scaling)
         _check(self.warmup_epochs >= 0, "train.warmup_epochs", "must be >= 0", self.warmup_epochs)

@@ -30,3 +30,25 @@ class Interrupted(Exception):
     def __init__(self, message: str, exit_status: int):
         super().__init__(message)
         self.exit_status = exit_status
+
+
+def one_line(exc: BaseException, *, kind: bool = True, limit: int | None = None) -> str:
+    """``Type: message`` on one line: the one formatter for errors that end up in a message.
+
+    Messages of distributed and of the OS carry newlines and hints; ``strerror`` is preferred when
+    the exception has one. ``kind=False`` leaves the type out when the message has text;
+    ``limit`` cuts the text to that many characters.
+
+    >>> one_line(ValueError("bad\\n  value"))
+    'ValueError: bad value'
+    >>> one_line(FileNotFoundError(2, "No such file or directory", "x"))
+    'FileNotFoundError: No such file or directory'
+    >>> one_line(KeyError()), one_line(OSError("gone"), kind=False)
+    ('KeyError', 'gone')
+    """
+    text = " ".join(str(getattr(exc, "strerror", None) or exc).split())
+    if not text:
+        text = type(exc).__name__
+    elif kind:
+        text = f"{type(exc).__name__}: {text}"
+    return text[:limit] if limit else text

@@ -41,38 +41,38 @@ def steps_per_epoch(n_train: int, replicas: int, batch_size: int) -> int:
     return steps
 
 
-def round_period(strategy: str, mix_every_steps: int) -> int:
-    """Local steps per round: one for gradient (each step is a reduction), else H."""
-    return 1 if strategy == "gradient" else mix_every_steps
+MIXES = ("every", "last", "never")
 
 
 def plan_rounds(n_train: int, replicas: int, batch_size: int, epochs: float, period: int,
-                strategy: str) -> list[Round]:
-    """All rounds of a run.
+                mix: str = "every") -> list[Round]:
+    """All rounds of a run: ``period`` local steps each (fewer at an epoch's end); ``mix`` says
+    which rounds end in an average (a strategy's choice: every, last or never).
 
-    >>> [r.steps for r in plan_rounds(5000, 4, 64, 1, 8, "ipm")]
+    >>> [r.steps for r in plan_rounds(5000, 4, 64, 1, 8)]
     [8, 8, 3]
-    >>> [r.mix for r in plan_rounds(5000, 2, 64, 1, 20, "mixture")]
+    >>> [r.mix for r in plan_rounds(5000, 2, 64, 1, 20, "last")]
     [False, True]
     """
-    return continue_plan([], n_train, replicas, batch_size, epochs, period, strategy)
+    return continue_plan([], n_train, replicas, batch_size, epochs, period, mix)
 
 
 def continue_plan(done: list[Round], n_train: int, replicas: int, batch_size: int, epochs: float,
-                  period: int, strategy: str) -> list[Round]:
+                  period: int, mix: str = "every") -> list[Round]:
     """``done`` (the rounds a run has finished) followed by the rounds that take it to ``epochs``.
 
     What ``--resume OUT --epochs N`` runs: the finished rounds keep their boundaries, the new
     ones start at the step where they ended. When the old run ended on an epoch boundary this is
     exactly ``plan_rounds`` of the longer run, so the extension equals a run of N epochs.
 
-    >>> short = plan_rounds(5000, 4, 64, 1, 8, "ipm")
-    >>> continue_plan(short, 5000, 4, 64, 2, 8, "ipm") == plan_rounds(5000, 4, 64, 2, 8, "ipm")
+    >>> short = plan_rounds(5000, 4, 64, 1, 8)
+    >>> continue_plan(short, 5000, 4, 64, 2, 8) == plan_rounds(5000, 4, 64, 2, 8)
     True
-    >>> [(r.index, r.global_step, r.steps) for r in continue_plan(short[:1], 5000, 4, 64, 0.5, 8,
-    ...                                                           "ipm")]
+    >>> [(r.index, r.global_step, r.steps) for r in continue_plan(short[:1], 5000, 4, 64, 0.5, 8)]
     [(0, 0, 8), (1, 8, 2)]
     """
+    if mix not in MIXES:
+        raise ValueError(f"mix must be one of {MIXES}, got {mix!r}")
     per_epoch = steps_per_epoch(n_train, replicas, batch_size)
     total = max(1, int(round(epochs * per_epoch)))
     rounds = list(done)
@@ -82,10 +82,10 @@ def continue_plan(done: list[Round], n_train: int, replicas: int, batch_size: in
         steps = min(period, per_epoch - step, total - global_step)
         end = global_step + steps
         rounds.append(Round(len(rounds), epoch, step, steps, global_step,
-                            mix=strategy in ("ipm", "gradient"),
+                            mix=mix == "every",
                             epoch_end=end % per_epoch == 0 or end == total))
         global_step = end
-    if strategy == "mixture" and len(rounds) > len(done):
+    if mix == "last" and len(rounds) > len(done):
         rounds[-1] = rounds[-1]._replace(mix=True)
     return rounds
 

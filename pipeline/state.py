@@ -140,14 +140,16 @@ def set_optimizer_state(optimizer: chainer.Optimizer, state: State) -> None:
         _DeviceDeserializer(_upload(state, sample), strict=True).load(optimizer)
 
 
-def make_optimizer(name: str, lr: float, momentum: float = 0.9, weight_decay: float = 0.0):
-    """A Chainer optimizer by name (sgd | momentum | adam); lr is Adam's alpha."""
+def make_optimizer(name: str, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
+                   betas: tuple = (0.9, 0.999), eps: float = 1e-8):
+    """A Chainer optimizer by name (sgd | momentum | adam); lr is Adam's alpha, ``betas`` and
+    ``eps`` are Adam's."""
     if name == "sgd":
         opt = chainer.optimizers.SGD(lr=lr)
     elif name == "momentum":
         opt = chainer.optimizers.MomentumSGD(lr=lr, momentum=momentum)
     elif name == "adam":
-        opt = chainer.optimizers.Adam(alpha=lr)
+        opt = chainer.optimizers.Adam(alpha=lr, beta1=betas[0], beta2=betas[1], eps=eps)
     else:
         raise ValueError(f"train.optimizer must be one of sgd, momentum, adam, got {name!r}")
     opt.weight_decay_rate_ = weight_decay

@@ -3,13 +3,15 @@ import numpy as np
 import pytest
 
 from pipeline.errors import UsageError
-from pipeline.schedule import (epoch_permutation, learning_rate, plan_rounds, round_period,
-                               shard_positions, steps_per_epoch)
+from pipeline.schedule import (epoch_permutation, learning_rate, plan_rounds, shard_positions,
+                               steps_per_epoch)
+
+MIX = {"single": "never", "gradient": "every", "mixture": "last", "ipm": "every"}
 
 
 @pytest.mark.parametrize("strategy", ["single", "gradient", "mixture", "ipm"])
 def test_rounds_cover_every_step_once(strategy):
-    rounds = plan_rounds(1000, 2, 16, 2.5, 7, strategy)
+    rounds = plan_rounds(1000, 2, 16, 2.5, 7, MIX[strategy])
     per_epoch = steps_per_epoch(1000, 2, 16)
     steps = [r.global_step + i for r in rounds for i in range(r.steps)]
     assert steps == list(range(round(2.5 * per_epoch)))
@@ -18,16 +20,15 @@ def test_rounds_cover_every_step_once(strategy):
 
 
 def test_gradient_rounds_are_single_steps():
-    period = round_period("gradient", 7)
-    assert {r.steps for r in plan_rounds(1000, 2, 16, 1, period, "gradient")} == {1}
+    assert {r.steps for r in plan_rounds(1000, 2, 16, 1, 1, "every")} == {1}
 
 
 def test_mixture_mixes_only_at_the_end():
-    assert [r.mix for r in plan_rounds(1000, 2, 16, 2, 5, "mixture")].count(True) == 1
+    assert [r.mix for r in plan_rounds(1000, 2, 16, 2, 5, "last")].count(True) == 1
 
 
 def test_shards_of_replicas_tile_the_global_batch():
-    rnd = plan_rounds(1000, 4, 8, 1, 3, "ipm")[1]
+    rnd = plan_rounds(1000, 4, 8, 1, 3, "every")[1]
     shards = [shard_positions(rnd, k, 4, 8) for k in range(4)]
     merged = np.sort(np.concatenate(shards))
     start = rnd.step * 4 * 8
@@ -35,8 +36,8 @@ def test_shards_of_replicas_tile_the_global_batch():
 
 
 def test_gradient_batches_equal_single_with_k_times_b():
-    rnd_g = plan_rounds(1000, 4, 8, 1, 1, "gradient")[5]
-    rnd_s = plan_rounds(1000, 1, 32, 1, 1, "single")[5]
+    rnd_g = plan_rounds(1000, 4, 8, 1, 1, "every")[5]
+    rnd_s = plan_rounds(1000, 1, 32, 1, 1, "never")[5]
     joined = np.concatenate([shard_positions(rnd_g, k, 4, 8) for k in range(4)])
     assert np.array_equal(joined, shard_positions(rnd_s, 0, 1, 32))
 

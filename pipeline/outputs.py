@@ -1,0 +1,148 @@
+"""A run's output directory: metrics.jsonl, model.npz, curves.png, config.json, summary.json,
+checkpoints; checked before a run starts, created once it is under way, checked again on resume.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from pipeline import checkpoint
+from pipeline.checkpoint import HostState
+from pipeline.errors import ResumeError, UsageError
+
+# Config fields that may change between a run and its resume (where and how it runs, not what).
+RESUMABLE = {"cluster", "out", "progress"}
+# Files of a finished or interrupted run that --overwrite removes (strategies may add their own).
+RUN_FILES = ("metrics.jsonl", "model.npz", "curves.png", "summary.json")
+
+
+def prepare(out: str | None, resume: bool, overwrite: bool) -> Path | None:
+    """Check the output directory without creating it: a run refused later (bad data, no
+    worker, unreachable scheduler) must leave nothing behind. ``RunDir.create`` makes it."""
+    if out is None:
+        if resume:
+            raise UsageError("resume needs an output directory (--out)")
+        return None
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"output directory {out} exists and is not a directory")
+    if resume:
+        if not (out / "checkpoints").is_dir():
+            raise ResumeError(f"nothing to resume in {out}: it has no checkpoints/")
+    elif out.is_dir() and (out / "metrics.jsonl").exists() and not overwrite:
+        raise UsageError(f"{out} already holds a run; resume it with --resume or pick another --out")
+    parent = out.absolute()
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot create output directory {out}: {parent} is not a writable "
+                         "directory")
+    return out
+
+
+def comparable(config) -> dict:
+    """The config sections that must match between a checkpoint and the run resuming it."""
+    return {k: v for k, v in config.to_dict().items() if k not in RESUMABLE}
+
+
+def check_same_run(out: Path, saved: dict, now: dict) -> None:
+    """ResumeError naming the first field where the checkpoint's config differs from now."""
+    for section in sorted(set(saved) | set(now)):
+        a, b = saved.get(section), now.get(section)
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in sorted(set(a) | set(b)):
+                if a.get(key) != b.get(key):
+                    raise ResumeError(f"{out} was written by a different run: {section}.{key} is "
+                                      f"{a.get(key)!r} there and {b.get(key)!r} now")
+        elif a != b:
+            raise ResumeError(f"{out} was written by a different run: {section} is {a!r} there "
+                              f"and {b!r} now")
+
+
+class RunDir:
+    """The output directory of one run (``path`` None: a run that writes nothing)."""
+
+    def __init__(self, path: Path | None, config, log=None, extra_files: tuple = ()):
+        self.path, self.config = path, config
+        self.log = log or (lambda message: None)
+        self.extra_files = tuple(extra_files)
+
+    def __bool__(self) -> bool:
+        return self.path is not None
+
+    def resume_state(self) -> HostState:
+        """The newest checkpoint that verifies and belongs to this run."""
+        found = checkpoint.load_latest(self.path, warn=self.log)
+        if found is None:
+            raise ResumeError(f"no readable checkpoint in {self.path / 'checkpoints'}")
+        state, meta = found
+        check_same_run(self.path, meta["config"], comparable(self.config))
+        self.log(f"resuming {self.path} after round {state.round}")
+        return state
+
+    def create(self, resume: bool, overwrite: bool) -> None:
+        """Create the directory once the run is under way; clear a replaced run's outputs;
+        write config.json; after a resume, drop metrics past the checkpoint and temporaries."""
+        if self.path is None:
+            return
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"cannot create output directory {self.path}: {exc.strerror}") \
+                from None
+        if not resume and overwrite:
+            for name in RUN_FILES + self.extra_files:
+                (self.path / name).unlink(missing_ok=True)
+            shutil.rmtree(self.path / "checkpoints", ignore_errors=True)
+        checkpoint.write_atomic(self.path / "config.json", self.config.to_json())
+        if resume:
+            for name in checkpoint.remove_temporaries(self.path):  # a killed driver's half-writes
+                self.log(f"removed {name}, left by an interrupted write")
+
+    def append(self, name: str, lines: list[dict]) -> None:
+        """Append JSON lines to ``name`` (one write per whole line)."""
+        if self.path is None or not lines:
+            return
+        with open(self.path / name, "a") as f:
+            for line in lines:
+                f.write(json.dumps(line) + "\n")
+
+    def truncate(self, name: str, keep) -> list[dict]:
+        """Keep the lines of ``name`` for which ``keep(line)`` holds, up to a torn last line;
+        rewrite the file atomically. Returns the kept lines."""
+        path = self.path / name
+        if not path.exists():
+            return []
+        kept = []
+        for text in path.read_text().splitlines():
+            try:
+                line = json.loads(text)
+            except ValueError:
+                break  # a torn last line from a killed driver
+            if keep(line):
+                kept.append(line)
+        checkpoint.write_atomic(path, "".join(json.dumps(x) + "\n" for x in kept))
+        return kept
+
+    def save_checkpoint(self, state: HostState, model_params: dict) -> None:
+        checkpoint.save(self.path, state, model_params, comparable(self.config))
+
+    def has_checkpoints(self) -> bool:
+        return self.path is not None and (self.path / "checkpoints").is_dir()
+
+    def finish(self, model, history: list[dict], rounds: int, title: str) -> None:
+        """model.npz (Chainer's own format), curves.png and summary.json of a finished run."""
+        if self.path is None:
+            return
+        from pipeline.compat import serializers
+        from pipeline.plots import save_curves
+        tmp = self.path / ".model.npz.tmp.npz"
+        serializers.save_npz(str(tmp), model)
+        tmp.replace(self.path / "model.npz")
+        save_curves(history, self.path / "curves.png", title=title)
+        last = history[-1] if history else {}
+        summary = dict(rounds=rounds, seconds=last.get("seconds"), train_acc=last.get("train_acc"),
+                       test_acc=last.get("test_acc"), test_loss=last.get("test_loss"))
+        checkpoint.write_atomic(self.path / "summary.json", json.dumps(summary, indent=1))

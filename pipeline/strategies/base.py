@@ -1,0 +1,146 @@
+"""What every strategy provides to the driver's loop, and the context it builds tasks from.
+
+The loop asks a strategy, per round: ``submit_round`` (the round's tasks, given the state
+futures after the previous round), ``model`` (the future of the weights a user would get if the
+run stopped here) and, at checkpoints, ``gather``/``scatter`` between futures and a host
+``HostState``. Strategies build tasks only through the ``RoundGraph`` they are given (one per
+attempt: a replay gets a fresh one with a fresh key token), so they import no dask.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from pipeline.checkpoint import HostState
+from pipeline.errors import UsageError
+from pipeline.schedule import Round, learning_rate, plan_rounds
+from pipeline.tasks import EvalSpec, StepSpec
+
+
+class Context(NamedTuple):
+    """What a strategy needs to know about the run besides the graph."""
+    config: Any  # pipeline.config.Config
+    replicas: int  # K
+    n_train: int  # training images
+    per_epoch: int  # global steps per epoch (K x B images each)
+    n_classes: int
+    device: str  # neutral device name of train tasks: cpu | gpu
+
+    @property
+    def warmup_steps(self) -> int:
+        return int(round(self.config.train.warmup_epochs * self.per_epoch))
+
+    def lrs(self, rnd: Round) -> tuple:
+        t = self.config.train
+        return tuple(learning_rate(t.lr, self.replicas, t.lr_scaling, self.warmup_steps, s)
+                     for s in range(rnd.global_step, rnd.global_step + rnd.steps))
+
+    def spec(self, rnd: Round, replica: int, mode: str = "steps") -> StepSpec:
+        t = self.config.train
+        return StepSpec(self.config.model.name, self.n_classes, t.optimizer, t.momentum,
+                        t.weight_decay, self.lrs(rnd), t.batch_size, mode, self.config.seed,
+                        rnd.index, replica, self.device, beta1=t.beta1, beta2=t.beta2,
+                        eps=t.adam_eps)
+
+    def eval_spec(self) -> EvalSpec:
+        return EvalSpec(self.config.model.name, self.n_classes, self.config.train.tta,
+                        self.device)
+
+
+class Live(NamedTuple):
+    """Futures of the state between rounds: per-replica params and optimizer state, and the
+    strategy's own extra state (ipm: the outer momentum)."""
+    params: list
+    opts: list
+    outer: object = None
+
+
+class Submitted(NamedTuple):
+    """What submitting a round gives the loop."""
+    live: Any  # the state after the round (the strategy's own kind of futures)
+    metrics: list  # futures of one metric dict per update (replica) of the round
+
+
+class Strategy:
+    """Base class: K replicas of local steps, what they share after a round set by ``mix``."""
+
+    name = ""
+    mix = "every"  # which rounds end in an average: every | last | never (schedule.plan_rounds)
+    rescatter = True  # after a checkpoint, restart from the gathered state as a fresh root
+    stages = ("load", "augment", "train", "average", "evaluate")  # stage_seconds it reports
+    files = ()  # its own files in the output directory (removed by --overwrite)
+
+    def __init__(self, context: Context, graph, log=None):
+        self.ctx, self.graph, self.log = context, graph, log or (lambda message: None)
+        self.K = context.replicas
+
+    # ---- the plan ---------------------------------------------------------------------
+    @classmethod
+    def check(cls, config) -> None:
+        """UsageError for settings this strategy cannot run (beyond config.validate)."""
+        if config.train.replicas < 1:
+            raise UsageError("train.replicas must be >= 1")
+
+    def period(self) -> int:
+        """Local steps per round."""
+        return self.ctx.config.average.period(self.ctx.per_epoch)
+
+    def rounds(self) -> list[Round]:
+        t = self.ctx.config.train
+        return plan_rounds(self.ctx.n_train, self.K, t.batch_size, t.epochs, self.period(),
+                           self.mix)
+
+    # ---- state --------------------------------------------------------------------------
+    def restart(self, anchor: HostState, history: list, out) -> None:
+        """Called before an attempt starts from ``anchor`` (the start, a resume, a replay)."""
+
+    def initial_state(self, params: dict) -> HostState:
+        return HostState(-1, [params] * self.K, [None] * self.K, None)
+
+    def shared(self) -> bool:
+        """Whether every replica starts a round from the same parameters."""
+        return self.mix == "every"
+
+    def scatter(self, state: HostState) -> Live:
+        """Host state -> futures with no lineage (a fresh root for the rounds that follow)."""
+        g = self.graph
+        if self.shared() or state.round < 0:
+            params = [g.scatter(state.params[0])] * self.K
+        else:
+            params = [g.scatter(p) for p in state.params]
+        opts = [g.scatter(o) if o is not None else None for o in state.opts]
+        outer = g.scatter(state.outer) if state.outer is not None else None
+        return Live(params, opts, outer)
+
+    def gather(self, round_index: int, live: Live) -> HostState:
+        params, opts, outer = self.graph.gather([live.params, live.opts, live.outer])
+        return HostState(round_index, params, opts, outer)
+
+    def final_params(self, state: HostState) -> dict:
+        """The model's weights in a host state (replica 0's params: the shared ones)."""
+        return dict(state.params[0])
+
+    # ---- a round ------------------------------------------------------------------------
+    def train_replicas(self, rnd: Round, params: list, opts: list, shard, mode="steps") -> list:
+        """The K train- tasks of a round: futures ``(params, opt, metrics)`` per replica."""
+        return [self.graph.submit_train(rnd, k, params[k], opts[k], shard(rnd.index, k),
+                                        self.ctx.spec(rnd, k, mode)) for k in range(self.K)]
+
+    def submit_round(self, rnd: Round, live: Live, shard) -> Submitted:
+        """Submit round ``rnd`` from ``live``; ``shard(round, i)`` gives the future of the
+        i-th shard of a round (submitted on demand)."""
+        raise NotImplementedError
+
+    def model(self, rnd: Round, live: Live):
+        """Future of the weights after ``rnd`` (what stopping here would give)."""
+        return live.params[0]
+
+    def bytes_averaged(self, rnd: Round) -> int:
+        """Bytes of replica state that entered the round's average (0 when none)."""
+        return 0
+
+    def round_fields(self, rnd: Round, metrics: list) -> dict:
+        """Extra fields of the round's line in metrics.jsonl."""
+        return {}
+
+    def collected(self, rnd: Round) -> None:
+        """Called once the round's line is written (async logs its updates here)."""

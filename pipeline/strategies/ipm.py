@@ -1,0 +1,92 @@
+"""``ipm``: Iterative Parameter Mixture. Each replica takes H local steps from the shared
+parameters, the ``average-`` tree takes their exact mean, and an optional outer optimizer steps on
+it (DiLoCo's outer Nesterov momentum). The replicas' optimizer state is kept, reset or averaged
+at each mix (``average.optimizer_state``); both live here, not in the graph or the averaging math.
+"""
+from __future__ import annotations
+
+from pipeline import averaging
+from pipeline.strategies.base import Live, Strategy, Submitted
+
+OPT_PREFIX = "opt/"  # optimizer-state entries ride in the averaged payload under this prefix
+
+
+def pack(result) -> dict:
+    """A train result's params plus its optimizer state under ``opt/`` (what "average" mixes).
+
+    >>> import numpy as np
+    >>> sorted(pack(({"W": np.ones(1)}, {"W/v": np.ones(1)}, {})))
+    ['W', 'opt/W/v']
+    """
+    params, opt = result[0], result[1]
+    return {**params, **{OPT_PREFIX + k: v for k, v in opt.items()}}
+
+
+def unpack(mean: dict) -> tuple[dict, dict]:
+    """Inverse of ``pack``: ``(params, optimizer_state)``."""
+    params = {k: v for k, v in mean.items() if not k.startswith(OPT_PREFIX)}
+    opt = {k[len(OPT_PREFIX):]: v for k, v in mean.items() if k.startswith(OPT_PREFIX)}
+    return params, opt
+
+
+def pack_leaf(result):
+    """Leaf of the average tree in optimizer_state "average": pack, then a float64 partial."""
+    return averaging.leaf(pack(result), 1)
+
+
+def average_outer(previous: dict, mean: dict, momentum_buf: dict | None, lr: float,
+                  momentum: float, with_opt: bool) -> tuple:
+    """After the tree: split averaged optimizer state off and take the outer optimizer step on
+    the replicas' mean (DiLoCo's outer Nesterov momentum; lr 1, momentum 0 is the mean itself).
+
+    Returns ``(params, optimizer_state or None, momentum_buffer or None)``.
+    """
+    params, opt = unpack(mean) if with_opt else (mean, None)
+    new, buf = averaging.outer_step({k: previous[k] for k in params}, params, momentum_buf, lr,
+                                    momentum)
+    return new, opt, buf
+
+
+class IPM(Strategy):
+    name = "ipm"
+    mix = "every"
+
+    @property
+    def opt_mode(self) -> str:
+        return self.ctx.config.average.optimizer_state
+
+    def _plain(self) -> bool:
+        avg = self.ctx.config.average
+        return avg.outer_lr == 1.0 and avg.outer_momentum == 0.0
+
+    def submit_round(self, rnd, live, shard):
+        g, avg = self.graph, self.ctx.config.average
+        opts = [None] * self.K if self.opt_mode == "reset" else live.opts
+        outs = self.train_replicas(rnd, live.params, opts, shard)
+        metrics = [o[2] for o in outs]
+        new_opts = [None] * self.K if self.opt_mode == "reset" else [o[1] for o in outs]
+        if self.opt_mode == "average":
+            mean = g.tree_mean(rnd.index, [o[3] for o in outs], leaf=pack_leaf)
+        else:
+            mean = g.tree_mean(rnd.index, [o[0] for o in outs])
+        if self.opt_mode != "average" and self._plain():
+            return Submitted(Live([mean] * self.K, new_opts, None), metrics)
+        params, opt, outer = g.submit(average_outer, live.params[0], mean, live.outer,
+                                      avg.outer_lr, avg.outer_momentum,
+                                      self.opt_mode == "average", stage="average",
+                                      coords=(rnd.index, "outer"),
+                                      fields=("params", "opt", "momentum"))
+        if self.opt_mode == "average":
+            new_opts = [opt] * self.K
+        return Submitted(Live([params] * self.K, new_opts, outer if not self._plain() else None),
+                         metrics)
+
+    def scatter(self, state):
+        live = super().scatter(state)
+        if self.opt_mode == "average" and state.opts[0] is not None:
+            live = live._replace(opts=[live.opts[0]] * self.K)
+        return live
+
+    def bytes_averaged(self, rnd):
+        per_replica = self.graph.payload_bytes * (2 if self.opt_mode == "average" else 1)
+        return int(per_replica * self.K)

@@ -1,0 +1,43 @@
+"""How many threads a task may use, and the one place that caps BLAS/OpenMP pools to it."""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+
+def worker_threads() -> int:
+    """Threads of the worker running the current task; the usable cores outside a worker.
+
+    A task that has its worker to itself (a `--nthreads 1` worker, as docs/cluster.md recommends,
+    or a task holding all of the worker's CPU resource) can run this many BLAS threads without
+    oversubscribing the cores the worker was given; see `limit_blas_threads`.
+
+    >>> worker_threads() >= 1
+    True
+    """
+    try:
+        from distributed import get_worker  # present wherever a task runs
+        return get_worker().state.nthreads
+    except (ImportError, ValueError):  # not inside a task
+        pass
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+@contextlib.contextmanager
+def limit_blas_threads(threads: int | None = None) -> Iterator[int]:
+    """Cap BLAS/OpenMP pools at `threads` (default: `worker_threads()`) for the block; yields it.
+
+    The limit is per process (threadpoolctl), so it is exact on one-thread workers; parallel
+    tasks then do not oversubscribe the cores.
+
+    >>> with limit_blas_threads(1) as n:
+    ...     n
+    1
+    """
+    from threadpoolctl import threadpool_limits
+    threads = threads or worker_threads()
+    with threadpool_limits(limits=threads):
+        yield threads
