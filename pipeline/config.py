@@ -146,6 +146,30 @@ class AverageConfig:
         return int(number) * steps_per_epoch if epochs else int(number)
 
 
+ASYNC_ORDERS = ("arrival", "fixed")
+ASYNC_PUSHES = ("delta", "gradient")
+STALENESS_SCALINGS = ("inverse", "none")
+
+
+@dataclass(frozen=True)
+class AsyncConfig:
+    order: str = "arrival"  # arrival (whoever finishes first) | fixed (slot order, reproducible)
+    max_staleness: int | None = None  # a replica that would be staler than this waits; None = no bound
+    staleness_scaling: str = "inverse"  # inverse: an update counts 1/(1 + staleness) | none
+    push: str = "delta"  # delta: H local steps, push new - pulled | gradient: one gradient
+    replay_updates: str | None = None  # an arrival run's updates.jsonl: apply in its order
+
+    def validate(self) -> None:
+        _check(self.order in ASYNC_ORDERS, "asynchronous.order", f"must be one of {ASYNC_ORDERS}",
+               self.order)
+        _check(self.max_staleness is None or self.max_staleness >= 0,
+               "asynchronous.max_staleness", "must be >= 0", self.max_staleness)
+        _check(self.staleness_scaling in STALENESS_SCALINGS, "asynchronous.staleness_scaling",
+               f"must be one of {STALENESS_SCALINGS}", self.staleness_scaling)
+        _check(self.push in ASYNC_PUSHES, "asynchronous.push", f"must be one of {ASYNC_PUSHES}",
+               self.push)
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     scheduler: str | None = None  # address of a running `dask scheduler`; None = own LocalCluster
@@ -187,6 +211,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     average: AverageConfig = field(default_factory=AverageConfig)
+    asynchronous: AsyncConfig = field(default_factory=AsyncConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     seed: int = 0  # the run seed; every random stream derives from it (pipeline.rng)
     out: str | None = None  # output directory (metrics.jsonl, model.npz, curves.png, checkpoints)
@@ -197,7 +222,8 @@ class Config:
     csv: bool = False  # also write the metrics as OUT/metrics.csv (one row per round)
 
     def validate(self) -> "Config":
-        for section in (self.data, self.augment, self.model, self.train, self.average, self.cluster):
+        for section in (self.data, self.augment, self.model, self.train, self.average,
+                        self.asynchronous, self.cluster):
             section.validate()
         _check(self.seed >= 0, "seed", "must be >= 0", self.seed)
         _check(self.eval_every >= 0, "eval_every", "must be >= 0", self.eval_every)
@@ -237,7 +263,7 @@ class Config:
             if isinstance(value, dict):
                 section_cls = {"data": DataConfig, "augment": AugmentConfig, "model": ModelConfig,
                                "train": TrainConfig, "average": AverageConfig,
-                               "cluster": ClusterConfig}[name]
+                               "asynchronous": AsyncConfig, "cluster": ClusterConfig}[name]
                 kwargs[name] = section_cls(**value)
             else:
                 kwargs[name] = value

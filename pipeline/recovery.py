@@ -21,11 +21,12 @@ class Attempt:
     """Everything one try from an anchor has submitted, so a failure can cancel it all.
 
     ``graph``: the attempt's ``RoundGraph`` (its own key token); ``shards``: augment futures by
-    (round, i); ``pending``: rounds submitted but not collected; ``live``: the newest state.
+    (round, i); ``pending``: rounds submitted but not collected; ``live``: the newest state;
+    ``replay``: whether it replays after lost work.
     """
 
-    def __init__(self, graph, anchor):
-        self.graph, self.anchor = graph, anchor
+    def __init__(self, graph, anchor, replay: bool = False):
+        self.graph, self.anchor, self.replay = graph, anchor, replay
         self.shards: dict = {}
         self.pending: list = []
         self.live = None

@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
+
+_LOCK = threading.Lock()
+_ACTIVE = {"count": 0, "limits": None}  # tasks inside limit_blas_threads in this process
 
 
 def worker_threads() -> int:
@@ -31,7 +35,10 @@ def limit_blas_threads(threads: int | None = None) -> Iterator[int]:
     """Cap BLAS/OpenMP pools at `threads` (default: `worker_threads()`) for the block; yields it.
 
     The limit is per process (threadpoolctl), so it is exact on one-thread workers; parallel
-    tasks then do not oversubscribe the cores.
+    tasks then do not oversubscribe the cores. Threads of one process share it: the first task in
+    sets it and the last one out restores it. (Each entering and leaving on its own let a task
+    restore the pools while another still computed, which then ran BLAS on two threads and
+    rounded differently: in-process clusters lost bit-exactness.)
 
     >>> with limit_blas_threads(1) as n:
     ...     n
@@ -39,5 +46,15 @@ def limit_blas_threads(threads: int | None = None) -> Iterator[int]:
     """
     from threadpoolctl import threadpool_limits
     threads = threads or worker_threads()
-    with threadpool_limits(limits=threads):
+    with _LOCK:
+        if _ACTIVE["count"] == 0:
+            _ACTIVE["limits"] = threadpool_limits(limits=threads)
+        _ACTIVE["count"] += 1
+    try:
         yield threads
+    finally:
+        with _LOCK:
+            _ACTIVE["count"] -= 1
+            if _ACTIVE["count"] == 0:
+                _ACTIVE["limits"].restore_original_limits()
+                _ACTIVE["limits"] = None

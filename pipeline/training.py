@@ -146,9 +146,10 @@ class _Run:
 
     def _run_recovering(self, stream, progress, quiet) -> HostState:
         """``_run_from`` the last anchor until the run is done; replay it after lost work."""
-        retries = 0
+        retries, replay = 0, False
         while True:
-            attempt = recovery.Attempt(self.graph.for_attempt(), self.anchor)
+            attempt = recovery.Attempt(self.graph.for_attempt(), self.anchor, replay)
+            replay = True
             try:
                 return self._run_from(attempt, stream, progress)
             except DivergenceError:
@@ -177,9 +178,9 @@ class _Run:
         """Run the rounds after the attempt's anchor; returns the final host state. Raises on
         lost work, after which a new attempt replays from the last anchor."""
         strategy = self.strategy_cls(self.ctx, attempt.graph, self.log)
-        strategy.restart(attempt.anchor, self.history, self.out)
-        attempt.live = strategy.scatter(attempt.anchor)
         shard = _Shards(attempt, self.K, self.config.train.batch_size, self.rounds)
+        strategy.restart(attempt.anchor, shard, self.out, replay=attempt.replay)
+        attempt.live = strategy.scatter(attempt.anchor)
         prefetch, last = self.config.augment.prefetch, len(self.rounds) - 1
         state = attempt.anchor
         for rnd in self.rounds[attempt.anchor.round + 1:]:
@@ -192,9 +193,9 @@ class _Run:
                                                       self.ctx.eval_spec())
             attempt.pending.append(_Pending(rnd, submitted.live, submitted.metrics, evals))
             if len(attempt.pending) > 1:
-                self._emit(self._collect(attempt.pending.pop(0), stream, strategy), progress)
+                self._collect(attempt.pending.pop(0), stream, strategy, progress)
             if self._checkpoints(rnd) or rnd.index == last:
-                self._emit(self._collect(attempt.pending.pop(0), stream, strategy), progress)
+                self._collect(attempt.pending.pop(0), stream, strategy, progress)
                 state = strategy.gather(rnd.index, attempt.live)
                 if self._checkpoints(rnd):
                     self.out.save_checkpoint(state, strategy.final_params(state))
@@ -214,7 +215,12 @@ class _Run:
         return bool(self.out) and (
             rnd.index == len(self.rounds) - 1 or (every > 0 and (rnd.index + 1) % every == 0))
 
-    def _collect(self, pending: _Pending, stream, strategy) -> dict:
+    def _collect(self, pending: _Pending, stream, strategy, progress) -> None:
+        """Wait for a round, check it, report it; then the strategy logs what it needs."""
+        self._emit(self._line(pending, stream, strategy), progress)
+        strategy.collected(pending.rnd)
+
+    def _line(self, pending: _Pending, stream, strategy) -> dict:
         rnd = pending.rnd
         metrics = self.client.gather(pending.metrics)
         evals = self.client.gather(pending.evals) if pending.evals else []

@@ -90,8 +90,9 @@ class Strategy:
                            self.mix)
 
     # ---- state --------------------------------------------------------------------------
-    def restart(self, anchor: HostState, history: list, out) -> None:
-        """Called before an attempt starts from ``anchor`` (the start, a resume, a replay)."""
+    def restart(self, anchor: HostState, shard, out, replay: bool) -> None:
+        """Called before an attempt starts from ``anchor`` (the start, a resume, or a ``replay``
+        after lost work); ``shard(round, i)`` gives shard futures, ``out`` is the RunDir."""
 
     def initial_state(self, params: dict) -> HostState:
         return HostState(-1, [params] * self.K, [None] * self.K, None)
