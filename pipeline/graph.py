@@ -165,8 +165,9 @@ class RoundGraph:
     def first_done(self, futures: list) -> list:
         """The futures of ``futures`` that are done, waiting until at least one is (in the
         order given). What asynchronous strategies react to."""
-        distributed.wait(futures, return_when="FIRST_COMPLETED")
-        return [f for f in futures if f.done()]
+        from distributed.client import FIRST_COMPLETED, _wait
+        self.client.sync(_wait, futures, return_when=FIRST_COMPLETED)  # wait() needs a default
+        return [f for f in futures if f.done()]                       # client; this one may not
 
 
 def futures_of(values) -> list:

@@ -1,0 +1,114 @@
+"""Asynchronous updates: the order of application as a pure value, determinism, replay, resume."""
+import json
+
+import numpy as np
+import pytest
+
+from pipeline import Config
+from pipeline.errors import UsageError
+from pipeline.strategies.asynchronous import InFlight, allowed, apply, fixed_order, read_order
+from pipeline.training import train
+
+SMALL = "synthetic:512:128"
+
+
+def _config(**changes) -> Config:
+    base = {"data.source": SMALL, "model.name": "small-cnn", "train.batch_size": 16,
+            "train.epochs": 1, "train.lr": 0.02, "augment.policy": "cifar", "progress": False,
+            "checkpoint_every": 0, "seed": 4, "train.strategy": "async", "train.replicas": 3,
+            "average.mix_every": "2"}
+    base.update(changes)
+    return Config().replace(**base)
+
+
+def _equal(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes(), k
+
+
+def _updates(out) -> list[dict]:
+    return [json.loads(x) for x in (out / "updates.jsonl").read_text().splitlines()]
+
+
+def test_apply_adds_the_scaled_delta_in_float64():
+    server = {"W": np.float32([1.0, 2.0]), "N": np.int64(3)}
+    pulled = {"W": np.float32([0.0, 0.0]), "N": np.int64(1)}
+    pushed = {"W": np.float32([0.3, -0.6]), "N": np.int64(2)}
+    out = apply(server, pulled, pushed, 1 / 3)
+    expect = (np.float64([1.0, 2.0]) + (np.float64([0.3, -0.6]) - 0) / 3).astype(np.float32)
+    assert out["W"].tobytes() == expect.tobytes() and out["N"] == 4
+
+
+def test_staleness_bound_holds_back_a_fast_replica():
+    # replica 1 pulled at version 1 and is still out; at position 3 a bound of 2 lets replica 1
+    # (2 behind) go but not replica 0 (its apply would leave replica 1 three behind).
+    inflight = {0: InFlight(4, 3), 1: InFlight(2, 1)}
+    assert not allowed(3, 0, inflight, 2) and allowed(3, 1, inflight, 2)
+    assert allowed(3, 0, inflight, 3) and allowed(3, 0, inflight, None)
+
+
+def test_fixed_order_is_round_robin():
+    assert fixed_order(2, 5) == [0, 1, 0, 1, 0]
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"position": 0, "replica": 0}\n', "holds 1 updates, the run applies 2"),
+    ('{"position": 0, "replica": 5}\n{"position": 1, "replica": 0}\n', "names replica 5"),
+    ('{"position": 0, "replica": 0}\nnot json\n', "line 2 is not an update record"),
+])
+def test_bad_replay_files_are_one_line_usage_errors(tmp_path, text, message):
+    path = tmp_path / "updates.jsonl"
+    path.write_text(text)
+    with pytest.raises(UsageError, match=message):
+        read_order(str(path), 2, 2)
+    with pytest.raises(UsageError, match="cannot read"):
+        read_order(str(tmp_path / "missing.jsonl"), 2, 2)
+
+
+def test_max_staleness_below_k_minus_1_is_refused(dask_client):
+    with pytest.raises(UsageError, match="asynchronous.max_staleness must be >= replicas - 1"):
+        train(_config(**{"asynchronous.max_staleness": 1}), client=dask_client)
+
+
+def test_replay_reproduces_an_arrival_run_byte_for_byte(tmp_path, dask_client):
+    arrival = train(_config(out=str(tmp_path / "arrival")), client=dask_client)
+    log = _updates(tmp_path / "arrival")
+    assert [x["position"] for x in log] == list(range(len(arrival.history) * 3))
+    assert all(x["staleness"] <= 2 * 3 for x in log)
+    replay = train(_config(**{"asynchronous.replay_updates": str(tmp_path / "arrival" /
+                                                                  "updates.jsonl")}),
+                   client=dask_client)
+    _equal(arrival.params, replay.params)
+    assert [h["train_loss"] for h in arrival.history] == [h["train_loss"] for h in replay.history]
+    line = arrival.history[-1]
+    assert {"staleness_mean", "staleness_max", "updates_by_replica"} <= set(line)
+    assert line["stage_seconds"]["apply"] > 0 and "average" not in line["stage_seconds"]
+
+
+def test_fixed_resume_equals_uninterrupted(tmp_path, dask_client):
+    cfg = _config(**{"asynchronous.order": "fixed", "checkpoint_every": 2, "train.epochs": 2})
+    whole = train(cfg.replace(out=str(tmp_path / "whole")), client=dask_client)
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_round_4(line):
+        if line["round"] == 4:
+            raise Stop
+
+    with pytest.raises(Stop):
+        train(cfg.replace(out=str(tmp_path / "cut")), client=dask_client,
+              on_round=stop_after_round_4)
+    resumed = train(cfg.replace(out=str(tmp_path / "cut")), client=dask_client, resume=True)
+    _equal(whole.params, resumed.params)
+    assert _updates(tmp_path / "cut") == _updates(tmp_path / "whole")
+
+
+@pytest.mark.slow
+def test_fixed_order_identical_on_1_and_3_worker_processes():
+    cfg = _config(**{"asynchronous.order": "fixed", "cluster.threads_per_worker": 1,
+                     "asynchronous.max_staleness": 4})
+    one = train(cfg.replace(**{"cluster.workers": 1}))
+    three = train(cfg.replace(**{"cluster.workers": 3}))
+    _equal(one.params, three.params)
