@@ -10,7 +10,7 @@ BAD = [
     ({"train.replicas": 0}, "train.replicas"),
     ({"average.mix_every": "0"}, "average.mix_every"),
     ({"average.mix_every": "often"}, "average.mix_every"),
-    ({"train.strategy": "async"}, "train.strategy"),
+    ({"train.strategy": "hogwild"}, "train.strategy"),
     ({"train.lr": -1.0}, "train.lr"),
     ({"train.optimizer": "rmsprop"}, "train.optimizer"),
     ({"train.device": "tpu"}, "train.device"),
