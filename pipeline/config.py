@@ -10,8 +10,8 @@ from pipeline.strategies import NAMES as STRATEGIES  # the registry names them
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 DEVICES = ("cpu", "gpu", "auto")
-OPT_STATE_MODES = ("keep", "reset", "average")
-LR_SCALINGS = ("none", "linear", "sqrt")
+OPT_STATE_MODES = ("auto", "keep", "reset", "average")
+LR_SCALINGS = ("auto", "none", "linear", "sqrt")
 
 
 def _check(condition: bool, name: str, message: str, value) -> None:
@@ -89,8 +89,12 @@ class TrainConfig:
     beta1: float = 0.9  # Adam's first-moment decay
     beta2: float = 0.999  # Adam's second-moment decay
     adam_eps: float = 1e-8  # Adam's epsilon
-    lr_scaling: str = "none"  # none | linear | sqrt: multiply lr by K or sqrt(K) (Horovod, seed 004)
-    warmup_epochs: float = 0.0  # linear warmup from lr/K... to lr over this many epochs (seed 004)
+    lr_scaling: str = "auto"  # none | linear | sqrt: multiply lr by K or sqrt(K) (Horovod, seed
+    #                           004); auto: the strategy's recipe (none unless it says otherwise)
+    warmup_epochs: float | None = None  # linear lr warmup over this many epochs (seed 004);
+    #                                     None: the strategy's recipe (0 unless it says otherwise)
+    recipe: bool = True  # fill "auto" fields with the strategy's scale-out recipe for K > 1
+    #                      (docs/scaling.md); False: the plain values
     device: str = "cpu"  # cpu | gpu | auto (gpu when a worker advertises the GPU resource)
     gpu_resource: str = "GPU"  # worker resource name that GPU train- tasks ask for
     tta: bool = False  # evaluate with test-time augmentation (flip + shifted crops)
@@ -113,7 +117,8 @@ class TrainConfig:
         _check(self.adam_eps > 0, "train.adam_eps", "must be > 0", self.adam_eps)
         _check(self.lr_scaling in LR_SCALINGS, "train.lr_scaling", f"must be one of {LR_SCALINGS}",
                self.lr_scaling)
-        _check(self.warmup_epochs >= 0, "train.warmup_epochs", "must be >= 0", self.warmup_epochs)
+        _check(self.warmup_epochs is None or self.warmup_epochs >= 0, "train.warmup_epochs",
+               "must be >= 0", self.warmup_epochs)
         _check(self.device in DEVICES, "train.device", f"must be one of {DEVICES}", self.device)
 
 
@@ -125,16 +130,23 @@ class AverageConfig:
     mix_every: str = "10"  # ipm period H: "10" = 10 local steps, "1ep" = one epoch
     fan_in: int = 4  # children per average- task in the reduction tree (dask's split_every);
     #                  fewer levels move fewer float64 partial sums (benchmarks/averaging.py)
-    outer_lr: float = 1.0  # outer optimizer on the averaged update (DiLoCo); 1 = plain averaging
+    outer_lr: float | None = None  # outer optimizer on the averaged update (DiLoCo); 1 = plain
+    #                                averaging; None: the strategy's recipe (1 unless it says)
     outer_momentum: float = 0.0  # Nesterov momentum of the outer optimizer; 0 = plain averaging
-    optimizer_state: str = "keep"  # keep | reset | average the replicas' optimizer state at a mix
+    outer_warmup_epochs: float | None = None  # outer lr ramps from 1 to outer_lr over these
+    #                                           epochs; None: the strategy's recipe (0 otherwise)
+    optimizer_state: str = "auto"  # keep | reset | average the replicas' optimizer state at a
+    #                                mix; auto: the strategy's recipe (keep unless it says)
 
     def validate(self) -> None:
         match = _MIX_RE.match(str(self.mix_every))
         _check(match is not None and int(match.group(1)) >= 1, "average.mix_every",
                "must be a positive step count like 10 or epochs like 1ep", self.mix_every)
         _check(self.fan_in >= 2, "average.fan_in", "must be >= 2", self.fan_in)
-        _check(self.outer_lr > 0, "average.outer_lr", "must be > 0", self.outer_lr)
+        _check(self.outer_lr is None or self.outer_lr > 0, "average.outer_lr", "must be > 0",
+               self.outer_lr)
+        _check(self.outer_warmup_epochs is None or self.outer_warmup_epochs >= 0,
+               "average.outer_warmup_epochs", "must be >= 0", self.outer_warmup_epochs)
         _check(0 <= self.outer_momentum < 1, "average.outer_momentum", "must be in [0, 1)",
                self.outer_momentum)
         _check(self.optimizer_state in OPT_STATE_MODES, "average.optimizer_state",
@@ -182,6 +194,8 @@ class ClusterConfig:
     tls_key: str | None = None  # TLS: this client's private key
     connect_timeout: float = 10.0  # seconds to wait for the scheduler before giving up
     resource_timeout: float = 5.0  # seconds to wait for a worker with a needed resource
+    pin_replicas: bool = False  # replica k's train- tasks prefer worker k mod W (sorted by name),
+    #                             as a rank stays on its GPU; off: the scheduler balances them
     gpu_workers_per_device: int = 1  # LocalCluster GPU worker processes per device (replicas
     #                                  share the device by time-slicing; benchmarks/gpu.py)
     gpu_threads: int = 1  # LocalCluster threads per GPU worker (concurrent train- tasks in one

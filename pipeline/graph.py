@@ -80,6 +80,7 @@ class RoundGraph:
         self.token = token or keys.new_token()
         self.payload_bytes = payload_bytes  # bytes of one replica's parameters
         self._perms: dict[int, np.ndarray] = {}
+        self._workers: list | None = None  # worker addresses by name, for pin_replicas
 
     def for_attempt(self) -> "RoundGraph":
         """The same graph builder under a fresh key token."""
@@ -87,6 +88,19 @@ class RoundGraph:
                           device=self.device, train_resources=self.train_resources,
                           augment_resources=self.augment_resources,
                           payload_bytes=self.payload_bytes)
+
+    def _pinned(self, replica: int) -> dict:
+        """``submit`` arguments that keep replica k on worker k mod W (workers sorted by name),
+        as a rank stays on its GPU; a soft preference, so a lost worker's replica moves on."""
+        if not self.config.cluster.pin_replicas:
+            return {}
+        if self._workers is None:
+            info = self.client.scheduler_info(n_workers=-1)["workers"]
+            self._workers = [a for a, _ in sorted(info.items(), key=lambda w: str(w[1]["name"]))]
+        if not self._workers:
+            return {}
+        return dict(workers=[self._workers[replica % len(self._workers)]],
+                    allow_other_workers=True)
 
     def key(self, stage: str, *coords):
         return keys.make(stage, self.token, *coords)
@@ -124,13 +138,16 @@ class RoundGraph:
                 key=self.key("augment", rnd.index, replica), pure=False,
                 resources=self.augment_resources)
 
-    def submit_train(self, rnd: Round, replica: int, params, opt, shard, spec: tasks.StepSpec):
+    def submit_train(self, rnd: Round, replica: int, params, opt, shard, spec: tasks.StepSpec,
+                     pin: int | None = None):
         """Futures ``(params, opt, metrics, result)`` of a replica's train- task (``result``:
-        the whole ``TrainResult``)."""
+        the whole ``TrainResult``). ``pin``: the replica whose worker it prefers (default
+        ``replica``) when ``cluster.pin_replicas`` is on."""
         with distributed.span("train"):
             key = self.key("train", rnd.index, replica)
             fut = self.client.submit(tasks.train, params, opt, shard, spec, key=key, pure=False,
-                                     resources=self.train_resources)
+                                     resources=self.train_resources,
+                                     **self._pinned(replica if pin is None else pin))
             picks = tuple(self.client.submit(pick, fut, i, key=(*key, name), pure=False)
                           for i, name in enumerate(("params", "opt", "metrics")))
             return (*picks, fut)

@@ -134,8 +134,11 @@ def get_optimizer_state(optimizer: chainer.Optimizer) -> State:
 
 def set_optimizer_state(optimizer: chainer.Optimizer, state: State) -> None:
     sample = _device_sample(optimizer.target)
-    if sample is None:
-        serializers.NpzDeserializer(state, strict=True).load(optimizer)
+    if sample is None:  # copies: a fresh optimizer adopts the arrays it is given as its slots
+        #                 and updates them in place, which would change the task's input (the
+        #                 value of a future other tasks and checkpoints read, in-process)
+        serializers.NpzDeserializer({k: np.array(v, copy=True) for k, v in state.items()},
+                                    strict=True).load(optimizer)
     else:  # fresh device views: slots the optimizer adopts are its own, never the task's input
         _DeviceDeserializer(_upload(state, sample), strict=True).load(optimizer)
 

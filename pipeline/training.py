@@ -70,8 +70,9 @@ def _normalise(config: Config) -> Config:
     config.validate()
     check_model_name(config.model.name)
     aug.get_policy(config.augment.policy)  # ValueError naming augment.policy
-    strategies.get(config.train.strategy).check(config)
-    return config
+    strategy = strategies.get(config.train.strategy)
+    strategy.check(config)
+    return strategy.resolve(config)  # auto fields: the strategy's recipe (config.json shows them)
 
 
 class _Run:

@@ -233,7 +233,7 @@ class Async(Strategy):
         rnd = self.rounds_[r]
         mode = "gradient" if self.acfg.push == "gradient" else "steps"
         out = self.graph.submit_train(rnd, i, params, opt if mode == "steps" else None,
-                                      self.shard(r, i), self.ctx.spec(rnd, i, mode))
+                                      self.shard(r, i), self.ctx.spec(rnd, i, mode), pin=k)
         self.inflight[k] = (InFlight(slot, pulled), params, opt, out)
 
     def _next(self) -> int:

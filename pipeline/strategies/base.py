@@ -74,6 +74,26 @@ class Strategy:
         self.K = context.replicas
 
     # ---- the plan ---------------------------------------------------------------------
+    PLAIN = {"train.lr_scaling": "none", "train.warmup_epochs": 0.0, "average.outer_lr": 1.0,
+             "average.outer_warmup_epochs": 0.0, "average.optimizer_state": "keep"}
+
+    @classmethod
+    def recipe(cls, config) -> dict:
+        """Values for the fields left at auto/None when ``train.recipe`` is on (none here)."""
+        return {}
+
+    @classmethod
+    def resolve(cls, config):
+        """``config`` with every auto/None field filled: from ``recipe`` when ``train.recipe``
+        is on, else (and for fields the recipe leaves open) with the plain values."""
+        chosen = {**cls.PLAIN, **(cls.recipe(config) if config.train.recipe else {})}
+        open_fields = {}
+        for name, value in chosen.items():
+            section, field = name.split(".")
+            if getattr(getattr(config, section), field) in (None, "auto"):
+                open_fields[name] = value
+        return config.replace(**open_fields) if open_fields else config
+
     @classmethod
     def check(cls, config) -> None:
         """UsageError for settings this strategy cannot run (beyond config.validate)."""

@@ -51,6 +51,25 @@ class IPM(Strategy):
     name = "ipm"
     mix = "every"
 
+    @classmethod
+    def recipe(cls, config) -> dict:
+        """The scale-out recipe for K > 1 (docs/scaling.md): keep each replica's local steps
+        as single's (no inner lr scaling) and take K times the replicas' mean displacement in
+        the outer step, reached by a linear warmup of the outer lr over the first epoch; average
+        the optimizer state at each mix."""
+        k = config.train.replicas
+        if k == 1:
+            return {}
+        return {"average.outer_lr": float(k), "average.outer_warmup_epochs": 1.0,
+                "average.optimizer_state": "average"}
+
+    def outer_lr(self, rnd) -> float:
+        """The outer lr of a round: 1 -> ``average.outer_lr`` linearly over the outer warmup."""
+        avg = self.ctx.config.average
+        warm = avg.outer_warmup_epochs * self.ctx.per_epoch
+        done = rnd.global_step + rnd.steps
+        return avg.outer_lr if done >= warm else 1.0 + (avg.outer_lr - 1.0) * done / warm
+
     @property
     def opt_mode(self) -> str:
         return self.ctx.config.average.optimizer_state
@@ -72,7 +91,7 @@ class IPM(Strategy):
         if self.opt_mode != "average" and self._plain():
             return Submitted(Live([mean] * self.K, new_opts, None), metrics)
         params, opt, outer = g.submit(average_outer, live.params[0], mean, live.outer,
-                                      avg.outer_lr, avg.outer_momentum,
+                                      self.outer_lr(rnd), avg.outer_momentum,
                                       self.opt_mode == "average", stage="average",
                                       coords=(rnd.index, "outer"),
                                       fields=("params", "opt", "momentum"))

@@ -47,7 +47,7 @@ def test_gradient_equals_single_with_k_times_b(dask_client):
 
 def test_ipm_h1_sgd_equals_gradient(dask_client):
     common = {"train.replicas": 4, "train.batch_size": 8, "train.optimizer": "sgd",
-              "train.lr": 0.05}
+              "train.lr": 0.05, "train.recipe": False}  # plain ipm: the mean of the replicas
     gradient = train(_config(**common, **{"train.strategy": "gradient"}), client=dask_client)
     ipm = train(_config(**common, **{"train.strategy": "ipm", "average.mix_every": "1"}),
                 client=dask_client)
@@ -89,7 +89,8 @@ def test_resume_equals_uninterrupted(tmp_path, dask_client, strategy, replicas):
 
 def test_outputs(tmp_path, dask_client):
     result = train(_config(tmp_path, **{"train.strategy": "ipm", "train.replicas": 2,
-                                        "average.mix_every": "1ep", "train.epochs": 2}),
+                                        "average.mix_every": "1ep", "train.epochs": 2,
+                                        "train.recipe": False}),
                    client=dask_client)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and lines[-1]["epoch"] == 1
@@ -105,6 +106,21 @@ def test_outputs(tmp_path, dask_client):
     _equal(get_state(model), result.params)
     assert (tmp_path / "curves.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "config.json").read_text())["train"]["strategy"] == "ipm"
+
+
+def test_recipe_fills_auto_fields_for_ipm_k_gt_1_only():
+    from pipeline import strategies
+    ipm = strategies.get("ipm").resolve(_config(**{"train.strategy": "ipm", "train.replicas": 4}))
+    assert (ipm.average.outer_lr, ipm.average.outer_warmup_epochs,
+            ipm.average.optimizer_state, ipm.train.lr_scaling) == (4.0, 1.0, "average", "none")
+    given = strategies.get("ipm").resolve(_config(**{"train.replicas": 4,
+                                                     "average.outer_lr": 1.5}))
+    assert given.average.outer_lr == 1.5 and given.average.optimizer_state == "average"
+    off = strategies.get("ipm").resolve(_config(**{"train.replicas": 4, "train.recipe": False}))
+    assert (off.average.outer_lr, off.average.optimizer_state, off.train.warmup_epochs) == (
+        1.0, "keep", 0.0)
+    grad = strategies.get("gradient").resolve(_config(**{"train.replicas": 4}))
+    assert grad.average.outer_lr == 1.0 and grad.train.lr_scaling == "none"
 
 
 def test_existing_run_is_not_overwritten(tmp_path, dask_client):
