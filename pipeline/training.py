@@ -348,6 +348,12 @@ class _Shards:
             self.next = index + 1
 
     def __call__(self, round_index: int, i: int):
-        """The i-th shard of a round (handed over once: the consumer holds it from now on)."""
+        """The i-th shard of a round (handed over once: the consumer holds it from now on).
+
+        A round at or before the anchor is submitted on demand: an async replica can still hold
+        an earlier round's slot when the state is checkpointed."""
         self.prefetch(round_index)
+        if (round_index, i) not in self.attempt.shards:
+            self.attempt.shards[(round_index, i)] = self.attempt.graph.submit_augment(
+                self.rounds[round_index], i, self.K, self.batch_size)
         return self.attempt.shards.pop((round_index, i))

@@ -419,3 +419,37 @@ def test_long_run_releases_every_key_and_byte(tmp_path):
     assert after == {w: m[:2] for w, m in baseline.items()}, (baseline, after)
     growth = {w: (memory[303][w][2] - memory[30][w][2]) / 2**20 for w in baseline}
     assert all(g < 40 for g in growth.values()), growth  # MiB of RSS from round 30 to 303
+
+
+# --- asynchronous updates -----------------------------------------------------------------------
+
+ASYNC = {"train.strategy": "async", "average.mix_every": "2"}  # 10 rounds of 3 updates
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("order", ["fixed", "arrival"])
+def test_async_lost_worker(tmp_path, dask_client, order):
+    """fixed: a lost worker changes nothing in the result; arrival: the run goes on, and the
+    log replays to the weights it ended with."""
+    changes = {**ASYNC, "asynchronous.order": order}
+    lines = []
+    with subprocess_cluster(3, resources={"CPU": 1}) as cluster:
+        killer = _Killer(cluster, {4: 0})
+        try:
+            result = train(_on_cluster(cluster, tmp_path, **changes), log=lines.append,
+                           on_round=killer)
+        finally:
+            killer.close()
+    assert [k[0] for k in killer.killed] == [0], killer.killed
+    assert _metric_rounds(tmp_path) == list(range(10))
+    log = [json.loads(x) for x in (tmp_path / "updates.jsonl").read_text().splitlines()]
+    assert [x["position"] for x in log if "position" in x] == list(range(30))
+    if _replays(lines):
+        assert any(x.get("event") == "replay" for x in log), log
+    if order == "fixed":
+        reference = train(_config(**changes), client=dask_client).params
+    else:
+        reference = train(_config(**changes, **{
+            "asynchronous.replay_updates": str(tmp_path / "updates.jsonl")}),
+            client=dask_client).params
+    _equal(result.params, reference, (killer.killed, lines))
