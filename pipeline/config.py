@@ -86,9 +86,9 @@ class TrainConfig:
     lr: float = 0.01  # replica learning rate (Adam: alpha), before scaling and warmup
     momentum: float = 0.9  # momentum optimizer only
     weight_decay: float = 0.0  # L2 coefficient, applied by the optimizer
-    beta1: float = 0.9  # Adam's first-moment decay
-    beta2: float = 0.999  # Adam's second-moment decay
-    adam_eps: float = 1e-8  # Adam's epsilon
+    beta1: float | None = None  # Adam's first-moment decay; None: the recipe's (plain 0.9)
+    beta2: float | None = None  # Adam's second-moment decay; None: the recipe's (plain 0.999)
+    adam_eps: float | None = None  # Adam's epsilon; None: the recipe's (plain 1e-8)
     lr_scaling: str = "auto"  # none | linear | sqrt: multiply lr by K or sqrt(K) (Horovod, seed
     #                           004); auto: the strategy's recipe (none unless it says otherwise)
     warmup_epochs: float | None = None  # linear lr warmup over this many epochs (seed 004);
@@ -112,9 +112,11 @@ class TrainConfig:
         _check(self.lr > 0, "train.lr", "must be > 0", self.lr)
         _check(0 <= self.momentum < 1, "train.momentum", "must be in [0, 1)", self.momentum)
         _check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0", self.weight_decay)
-        _check(0 <= self.beta1 < 1, "train.beta1", "must be in [0, 1)", self.beta1)
-        _check(0 <= self.beta2 < 1, "train.beta2", "must be in [0, 1)", self.beta2)
-        _check(self.adam_eps > 0, "train.adam_eps", "must be > 0", self.adam_eps)
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            _check(value is None or 0 <= value < 1, f"train.{name}", "must be in [0, 1)", value)
+        _check(self.adam_eps is None or self.adam_eps > 0, "train.adam_eps", "must be > 0",
+               self.adam_eps)
         _check(self.lr_scaling in LR_SCALINGS, "train.lr_scaling", f"must be one of {LR_SCALINGS}",
                self.lr_scaling)
         _check(self.warmup_epochs is None or self.warmup_epochs >= 0, "train.warmup_epochs",

@@ -53,14 +53,17 @@ class IPM(Strategy):
 
     @classmethod
     def recipe(cls, config) -> dict:
-        """The scale-out recipe for K > 1 (docs/scaling.md): keep each replica's local steps
-        as single's (no inner lr scaling) and take K times the replicas' mean displacement in
-        the outer step, reached by a linear warmup of the outer lr over the first epoch; average
-        the optimizer state at each mix."""
-        k = config.train.replicas
-        if k == 1:
+        """The scale-out recipe for K > 1 (docs/strategies.md): scale the replicas' learning
+        rate with K as the optimizer wants it (Adam: sqrt(K), Malladi et al. 2022; SGD and
+        momentum: K, Goyal et al. 2017), reached by a linear warmup over the first epochs
+        (2, at most a fifth of the run), and average the optimizer state at each mix so the
+        replicas' Adam moments stay those of one model. The outer step stays plain: K times the
+        mean displacement (outer lr K) collapsed the seed-000 net to chance in its first epoch."""
+        t = config.train
+        if t.replicas == 1:
             return {}
-        return {"average.outer_lr": float(k), "average.outer_warmup_epochs": 1.0,
+        return {"train.lr_scaling": "sqrt" if t.optimizer == "adam" else "linear",
+                "train.warmup_epochs": min(2.0, t.epochs / 5),
                 "average.optimizer_state": "average"}
 
     def outer_lr(self, rnd) -> float:
