@@ -20,7 +20,6 @@ an embedded cluster (one per visible GPU), for the equal-epoch part on a GPU box
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 

@@ -87,7 +87,7 @@ def augment(image_blocks: list, label_blocks: list, starts: tuple, indices: np.n
     """Task body of training: gather one replica's shard from the raw blocks and augment it.
 
     ``indices`` are dataset rows, ``positions`` their places in the epoch's order (see
-    ``augment_positions``). Returns uint8 (n, 3, 32, 32) images and int32 labels.
+    ``augment_positions``). Returns uint8 (n, 3, H, W) images and int32 labels.
     """
     first = image_blocks[0]
     images = np.empty((len(indices),) + first.shape[1:], dtype=first.dtype)

@@ -31,29 +31,41 @@ def _average_leaf(payload: dict):
 
 class Persisted(NamedTuple):
     """The dataset, loaded once and kept on the cluster as one future per block."""
-    train_images: list
+    train_images: list  # [] when the training images are decoded again each round (stream)
     train_labels: list
     train_starts: tuple
     test_images: list
     test_labels: list
     n_train: int
+    stream: object = None  # image_readers.Stream when the training set is not cached, else None
+    note: str = ""  # one line for the run's log: what the cache holds, or why it is off
 
 
 def persist_dataset(client: distributed.Client, dataset, eval_chunk: int = 250) -> Persisted:
-    """Load the raw data onto the cluster once (``load-`` tasks); consumers refer to it by key."""
+    """Load the raw data onto the cluster once (``load-``/``decode-`` tasks); consumers refer to
+    it by key. Decoded image folders too, unless they do not fit (`image_readers.cache_decision`):
+    then only the test split is kept and each round decodes its own shards."""
+    from pipeline import image_readers
     test_images = dataset.test_images.rechunk({0: eval_chunk})
     test_labels = dataset.test_labels.rechunk({0: eval_chunk})
+    stream, note, n_train = dataset.stream, "", int(dataset.train_images.shape[0])
+    if stream is not None:
+        cached, note = image_readers.cache_decision(
+            stream, n_train, image_readers.worker_memory_limits(client))
+        stream = None if cached else stream
+    train = [] if stream is not None else [dataset.train_images, dataset.train_labels]
     with distributed.span("load"):
-        arrays = client.persist([dataset.train_images, dataset.train_labels, test_images,
-                                 test_labels])
+        arrays = client.persist(train + [test_images, test_labels])
 
     def blocks(array):
         by_key = {f.key: f for f in distributed.futures_of(array)}
         return [by_key[k] for k in _block_keys(array)]
 
+    test = [blocks(a) for a in arrays[-2:]]
+    if stream is not None:
+        return Persisted([], [], (), *test, n_train, stream, note)
     starts = tuple(int(s) for s in np.cumsum((0,) + dataset.train_images.chunks[0][:-1]))
-    return Persisted(blocks(arrays[0]), blocks(arrays[1]), starts, blocks(arrays[2]),
-                     blocks(arrays[3]), int(dataset.train_images.shape[0]))
+    return Persisted(blocks(arrays[0]), blocks(arrays[1]), starts, *test, n_train, None, note)
 
 
 def _block_keys(array) -> list:
@@ -105,6 +117,9 @@ class RoundGraph:
     def key(self, stage: str, *coords):
         return keys.make(stage, self.token, *coords)
 
+    def _submit(self, func, *args, key, resources=None):
+        return self.client.submit(func, *args, key=key, pure=False, resources=resources)
+
     def submit(self, func, *args, stage: str, coords: tuple = (), fields: tuple | None = None,
                train: bool = False):
         """Submit ``func(*args)`` as ``(stage-token, *coords)`` inside a span named ``stage``.
@@ -131,12 +146,20 @@ class RoundGraph:
         positions = shard_positions(rnd, replica, replicas, batch_size)
         indices = self._perm(rnd.epoch)[positions]
         cfg = self.config
+        images, labels, starts = (self.data.train_images, self.data.train_labels,
+                                  self.data.train_starts)
+        if self.data.stream is not None:  # not cached: decode this shard's files first
+            from pipeline.image_readers import submit_decode
+            with distributed.span("decode"):
+                images, labels, starts = submit_decode(
+                    self._submit, self.key, self.data.stream, indices, rnd.index, replica,
+                    self.augment_resources)
+            indices = np.arange(len(indices))
         with distributed.span("augment"):
-            return self.client.submit(
-                augment, self.data.train_images, self.data.train_labels, self.data.train_starts,
-                indices, positions, cfg.augment.policy, cfg.seed, rnd.epoch, cfg.augment.chunk,
-                key=self.key("augment", rnd.index, replica), pure=False,
-                resources=self.augment_resources)
+            return self._submit(augment, images, labels, starts, indices, positions,
+                                cfg.augment.policy, cfg.seed, rnd.epoch, cfg.augment.chunk,
+                                key=self.key("augment", rnd.index, replica),
+                                resources=self.augment_resources)
 
     def submit_train(self, rnd: Round, replica: int, params, opt, shard, spec: tasks.StepSpec,
                      pin: int | None = None):

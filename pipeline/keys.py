@@ -13,7 +13,7 @@ import re
 import uuid
 
 # Stages of a run, in pipeline order; stage_seconds in metrics.jsonl reports these.
-STAGES = ("load", "augment", "train", "average", "update", "apply", "evaluate")
+STAGES = ("load", "decode", "augment", "train", "average", "update", "apply", "evaluate")
 # Prefixes of the dataset's own keys (dask array blocks), charged to the "load" stage.
 _LOAD_PREFIXES = ("load", "images", "labels")
 _TOKEN = re.compile(r"^[0-9a-f]{8}$")
@@ -70,6 +70,19 @@ def stage_of(key) -> str | None:
     if stage in _LOAD_PREFIXES:
         return "load"
     return stage if stage in STAGES else None
+
+
+def is_block(key) -> bool:
+    """Whether a key is a block of the dataset, loaded once (charged to "load"): the CIFAR
+    arrays' blocks and cached image-folder ``("decode-<tok>", i)`` blocks; per-round
+    ``("decode-<tok>", round, replica, piece)`` tasks are not.
+
+    >>> is_block(("decode-0123abcd", 3)), is_block(("decode-0123abcd", 3, 1, 0))
+    (True, False)
+    """
+    parts = _as_tuple(key)
+    stage = stage_of(parts)
+    return stage == "load" or (stage == "decode" and len(parts) == 2)
 
 
 def round_of(key) -> int | None:

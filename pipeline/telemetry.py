@@ -42,6 +42,8 @@ class StageClock:
         """Add task-stream records; load- blocks are charged to round ``collecting``."""
         for rec in records:
             stage = keys.stage_of(rec.get("key"))
+            if keys.is_block(rec.get("key")):  # keyed by block, not by round
+                stage = "load"
             r = collecting if stage == "load" else keys.round_of(rec.get("key"))
             if r is None or stage not in self.stages:
                 continue
@@ -52,10 +54,11 @@ class StageClock:
                     self.intervals.setdefault(r, []).append((ss["start"], ss["stop"]))
 
     def stage_seconds(self, r: int, shown: tuple) -> dict:
-        """Round ``r``'s seconds per stage for the stages in ``shown`` (0.0 when none ran), plus
-        ``waiting``; the run's load time goes to its first round. Forgets round ``r``."""
-        stages = {s: round(v, 4) for s, v in self.by_round.pop(r, {}).items()}
-        stages = {s: stages.get(s, 0.0) for s in shown}
+        """Round ``r``'s seconds per stage for the stages in ``shown`` (0.0 when none ran) and
+        any other stage that ran in it (decode- in image-folder runs), plus ``waiting``; the
+        run's load time goes to its first round. Forgets round ``r``."""
+        ran = {s: round(v, 4) for s, v in self.by_round.pop(r, {}).items()}
+        stages = {s: ran.get(s, 0.0) for s in self.stages if s in shown or s in ran}
         if r == self.first_round:
             stages["load"] = round(self.load_seconds + stages.get("load", 0.0), 4)
         busy = busy_seconds(self.intervals.pop(r, []))

@@ -89,11 +89,14 @@ class _Run:
         from pipeline.data import load_dataset
         cfg, t = self.config, self.config.train
         t0 = time.perf_counter()
-        dataset = load_dataset(cfg.data.source, cfg.data, download=cfg.data.download)
+        dataset = load_dataset(cfg.data.source, cfg.data, download=cfg.data.download,
+                               client=self.client)
         device, train_res = self._device()
         augment_res = ({cfg.augment.resource: 1}
                        if cluster.has_resource(self.client, cfg.augment.resource) else None)
         data = graph.persist_dataset(self.client, dataset)
+        if data.note:
+            self.log(data.note)
         self.initial = _initial_params(cfg, dataset.n_classes)
         self.graph = graph.RoundGraph(self.client, data, cfg, n_classes=dataset.n_classes,
                                       device=device, train_resources=train_res,

@@ -25,8 +25,8 @@ MODELS = ["small-cnn", "resnet20", "cifar10-2015"]
 
 
 def _spec(model, device, steps=2, **changes):
-    spec = tasks.StepSpec(model, 10, "momentum", 0.9, 0.0, (0.01,) * steps, 16, "steps", "keep",
-                          0, 0, 0, device)
+    spec = tasks.StepSpec(model, 10, "momentum", 0.9, 0.0, (0.01,) * steps, 16, "steps", 0, 0, 0,
+                          device)
     return spec._replace(**changes)
 
 
@@ -74,8 +74,8 @@ def test_train_task_on_gpu_matches_cpu(model):
     params, shard = tasks.init_params(model, 10, seed=0), _shard()
     cpu = tasks.train(params, None, shard, _spec(model, "@numpy"))
     gpu = tasks.train(params, None, shard, _spec(model, GPU))
-    _host_only(gpu.payload), _host_only(gpu.opt)
-    _close(gpu.payload, cpu.payload, params, **LOOSE.get(model, {}))
+    _host_only(gpu.params), _host_only(gpu.opt)
+    _close(gpu.params, cpu.params, params, **LOOSE.get(model, {}))
     _close(gpu.opt, cpu.opt, **LOOSE.get(model, {}))
     assert gpu.metrics["n"] == 32 and gpu.metrics["finite"]
     assert gpu.metrics["correct"] == cpu.metrics["correct"]
@@ -89,27 +89,28 @@ def test_adam_weight_decay_and_carried_state_on_gpu_match_cpu(model):
     first_cpu = tasks.train(params, None, shard, _spec(model, "@numpy", **spec))
     first_gpu = tasks.train(params, None, shard, _spec(model, GPU, **spec))
     # a second round starts from the first round's optimizer state (Adam m, v and t)
-    cpu = tasks.train(first_cpu.payload, first_cpu.opt, _shard(seed=1),
+    cpu = tasks.train(first_cpu.params, first_cpu.opt, _shard(seed=1),
                       _spec(model, "@numpy", round=1, **spec))
-    gpu = tasks.train(first_gpu.payload, first_gpu.opt, _shard(seed=1),
+    gpu = tasks.train(first_gpu.params, first_gpu.opt, _shard(seed=1),
                       _spec(model, GPU, round=1, **spec))
-    _close(gpu.payload, cpu.payload, params, rel_all=3e-2, rel_key=0.3)  # Adam: sign of tiny grads
+    _close(gpu.params, cpu.params, params, rel_all=3e-2, rel_key=0.3)  # Adam: sign of tiny grads
     _close(gpu.opt, cpu.opt, rel_all=3e-2, rel_key=0.3)
     assert int(gpu.opt["t"]) == 4
 
 
 def test_averaged_optimizer_state_on_gpu():
-    """opt_mode "average": the optimizer state travels in the payload under ``opt/`` keys."""
+    """optimizer_state "average": ipm packs the state under ``opt/`` keys, averages, unpacks."""
+    from pipeline.strategies.ipm import pack, unpack
     model = "cifar10-2015"
     params, shard = tasks.init_params(model, 10, seed=0), _shard()
-    spec = dict(optimizer="adam", lrs=(1e-3,) * 2, opt_mode="average")
+    spec = dict(optimizer="adam", lrs=(1e-3,) * 2)
     cpu = tasks.train(params, None, shard, _spec(model, "@numpy", **spec))
     gpu = tasks.train(params, None, shard, _spec(model, GPU, **spec))
-    assert any(k.startswith("opt/") for k in gpu.payload)
-    _close(gpu.payload, cpu.payload, params, rel_all=3e-2, rel_key=0.3)
-    again_cpu = tasks.train(cpu.payload, None, shard, _spec(model, "@numpy", round=1, **spec))
-    again_gpu = tasks.train(gpu.payload, None, shard, _spec(model, GPU, round=1, **spec))
-    _close(again_gpu.payload, again_cpu.payload, params, rel_all=3e-2, rel_key=0.3)
+    assert any(k.startswith("opt/") for k in pack(gpu))
+    _close(gpu.params, cpu.params, params, rel_all=3e-2, rel_key=0.3)
+    again_cpu = tasks.train(*unpack(pack(cpu)), shard, _spec(model, "@numpy", round=1, **spec))
+    again_gpu = tasks.train(*unpack(pack(gpu)), shard, _spec(model, GPU, round=1, **spec))
+    _close(again_gpu.params, again_cpu.params, params, rel_all=3e-2, rel_key=0.3)
 
 
 @pytest.mark.parametrize("model", ["resnet20", "cifar10-2015"])
@@ -117,11 +118,11 @@ def test_gradient_and_update_on_gpu_match_cpu(model):
     params, shard = tasks.init_params(model, 10, seed=0), _shard()
     cpu = tasks.train(params, None, shard, _spec(model, "@numpy", mode="gradient"))
     gpu = tasks.train(params, None, shard, _spec(model, GPU, mode="gradient"))
-    _host_only(gpu.payload)
-    _close(gpu.payload, cpu.payload, rel_all=2e-3, rel_key=3e-2)  # gradients and BN statistics
+    _host_only(gpu.params)
+    _close(gpu.params, cpu.params, rel_all=2e-3, rel_key=3e-2)  # gradients and BN statistics
     assert gpu.metrics["correct"] == cpu.metrics["correct"] and gpu.metrics["finite"]
-    new_cpu, opt_cpu = tasks.update(params, None, cpu.payload, _spec(model, "@numpy"))
-    new_gpu, opt_gpu = tasks.update(params, None, cpu.payload, _spec(model, GPU))
+    new_cpu, opt_cpu = tasks.update(params, None, cpu.params, _spec(model, "@numpy"))
+    new_gpu, opt_gpu = tasks.update(params, None, cpu.params, _spec(model, GPU))
     _host_only(new_gpu), _host_only(opt_gpu)
     _close(new_gpu, new_cpu, params)
     _close(opt_gpu, opt_cpu)
@@ -133,10 +134,10 @@ def test_gpu_task_is_deterministic_and_leaves_inputs_alone(model):
     first = tasks.train(params, None, shard, _spec(model, GPU, optimizer="adam", lrs=(1e-3,) * 2))
     snapshot = {k: v.copy() for k, v in first.opt.items()}
     params_before = {k: v.copy() for k, v in params.items()}
-    a = tasks.train(first.payload, first.opt, shard, _spec(model, GPU, optimizer="adam", round=1))
-    b = tasks.train(first.payload, first.opt, shard, _spec(model, GPU, optimizer="adam", round=1))
-    for k in a.payload:
-        assert a.payload[k].tobytes() == b.payload[k].tobytes(), k
+    a = tasks.train(first.params, first.opt, shard, _spec(model, GPU, optimizer="adam", round=1))
+    b = tasks.train(first.params, first.opt, shard, _spec(model, GPU, optimizer="adam", round=1))
+    for k in a.params:
+        assert a.params[k].tobytes() == b.params[k].tobytes(), k
     assert all(first.opt[k].tobytes() == snapshot[k].tobytes() for k in snapshot)
     assert all(params[k].tobytes() == params_before[k].tobytes() for k in params)
 
