@@ -314,6 +314,20 @@ def outer_step(previous: State, averaged: State, momentum_buf: Mapping | None, l
     return new, (buf if momentum else None)
 
 
+def squared_distance(a: State, b: State) -> float:
+    """Sum over float entries of ``||a - b||^2``, in float64 (a replica's displacement).
+
+    >>> squared_distance({"W": np.float32([1, 2]), "N": np.int64(3)}, {"W": np.float32([0, 0])})
+    5.0
+    """
+    total = 0.0
+    for key, value in a.items():
+        if is_float(value) and key in b:
+            d = np.subtract(value, b[key], dtype=np.float64)
+            total += float(np.dot(d.ravel(), d.ravel()))
+    return total
+
+
 def nbytes(state: State) -> int:
     """Total bytes of the arrays in a state dict.
 

@@ -137,6 +137,8 @@ class AverageConfig:
     outer_momentum: float = 0.0  # Nesterov momentum of the outer optimizer; 0 = plain averaging
     outer_warmup_epochs: float | None = None  # outer lr ramps from 1 to outer_lr over these
     #                                           epochs; None: the strategy's recipe (0 otherwise)
+    adaptive_outer: bool | None = None  # multiply the outer lr by the replicas' AdaScale gain
+    #                                     (1..K); None: the strategy's recipe (off otherwise)
     optimizer_state: str = "auto"  # keep | reset | average the replicas' optimizer state at a
     #                                mix; auto: the strategy's recipe (keep unless it says)
 

@@ -74,6 +74,8 @@ def train(params: State, opt_state: State | None, shard: Shard, spec: StepSpec) 
                                                              shard.labels, spec, rng)
     nonfinite = averaging.first_nonfinite(new_params)
     metrics = dict(loss_sum=stats.loss_sum, correct=stats.correct, n=stats.n,
+                   delta_sq=averaging.squared_distance(new_params, params)
+                   if spec.mode == "steps" else 0.0,
                    finite=stats.finite and nonfinite is None, replica=spec.replica,
                    nonfinite=nonfinite, seconds=time.perf_counter() - start)
     return TrainResult(new_params, new_opt, metrics)

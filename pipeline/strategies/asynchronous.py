@@ -150,6 +150,15 @@ class Async(Strategy):
             raise UsageError("asynchronous.replay_updates replays an arrival run: leave "
                              f"asynchronous.order at arrival, got {a.order!r}")
 
+    @classmethod
+    def recipe(cls, config) -> dict:
+        """For K > 1 the replicas' lr scales as ipm's does (docs/strategies.md): with updates
+        entering at 1 / (1 + staleness), about 1/K at equal speeds, unscaled replicas would move
+        the server K times slower than single moves its model."""
+        from pipeline.strategies.ipm import IPM
+        rules = IPM.recipe(config)
+        return {k: v for k, v in rules.items() if k.startswith("train.")}
+
     @property
     def acfg(self):
         return self.ctx.config.asynchronous

@@ -76,7 +76,8 @@ class Strategy:
     # ---- the plan ---------------------------------------------------------------------
     PLAIN = {"train.lr_scaling": "none", "train.warmup_epochs": 0.0, "train.beta1": 0.9,
              "train.beta2": 0.999, "train.adam_eps": 1e-8, "average.outer_lr": 1.0,
-             "average.outer_warmup_epochs": 0.0, "average.optimizer_state": "keep"}
+             "average.outer_warmup_epochs": 0.0, "average.optimizer_state": "keep",
+             "average.adaptive_outer": False}
 
     @classmethod
     def recipe(cls, config) -> dict:

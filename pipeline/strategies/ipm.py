@@ -34,14 +34,36 @@ def pack_leaf(result):
     return averaging.leaf(pack(result), 1)
 
 
+def gain(previous: dict, mean: dict, metrics: list) -> float:
+    """AdaScale's gain ratio for K replicas' displacements (Johnson et al. 2020, "AdaScale SGD"):
+    ``E_k ||d_k||^2 / ||mean_k d_k||^2``, in [1, K]. 1 when the replicas moved alike (signal:
+    their mean is as long as each), K when their moves are independent noise (the mean is
+    sqrt(K) times shorter); so ``gain x mean`` restores single's progress per step where noise
+    dominates without overshooting where the signal does.
+
+    >>> import numpy as np
+    >>> gain({"W": np.zeros(2)}, {"W": np.float64([0.5, 0])}, [{"delta_sq": 1.0}] * 2)
+    2.0
+    """
+    k = len(metrics)
+    spread = sum(m["delta_sq"] for m in metrics) / k
+    moved = averaging.squared_distance(mean, previous)
+    if moved <= 0 or spread <= 0:
+        return 1.0
+    return float(min(max(spread / moved, 1.0), k))
+
+
 def average_outer(previous: dict, mean: dict, momentum_buf: dict | None, lr: float,
-                  momentum: float, with_opt: bool) -> tuple:
+                  momentum: float, with_opt: bool, metrics: list | None = None) -> tuple:
     """After the tree: split averaged optimizer state off and take the outer optimizer step on
     the replicas' mean (DiLoCo's outer Nesterov momentum; lr 1, momentum 0 is the mean itself).
+    With the replicas' ``metrics`` the outer lr is multiplied by their ``gain``.
 
     Returns ``(params, optimizer_state or None, momentum_buffer or None)``.
     """
     params, opt = unpack(mean) if with_opt else (mean, None)
+    if metrics:
+        lr = lr * gain({k: previous[k] for k in params}, params, metrics)
     new, buf = averaging.outer_step({k: previous[k] for k in params}, params, momentum_buf, lr,
                                     momentum)
     return new, opt, buf
@@ -79,7 +101,7 @@ class IPM(Strategy):
 
     def _plain(self) -> bool:
         avg = self.ctx.config.average
-        return avg.outer_lr == 1.0 and avg.outer_momentum == 0.0
+        return avg.outer_lr == 1.0 and avg.outer_momentum == 0.0 and not avg.adaptive_outer
 
     def submit_round(self, rnd, live, shard):
         g, avg = self.graph, self.ctx.config.average
@@ -95,7 +117,8 @@ class IPM(Strategy):
             return Submitted(Live([mean] * self.K, new_opts, None), metrics)
         params, opt, outer = g.submit(average_outer, live.params[0], mean, live.outer,
                                       self.outer_lr(rnd), avg.outer_momentum,
-                                      self.opt_mode == "average", stage="average",
+                                      self.opt_mode == "average",
+                                      metrics if avg.adaptive_outer else None, stage="average",
                                       coords=(rnd.index, "outer"),
                                       fields=("params", "opt", "momentum"))
         if self.opt_mode == "average":
