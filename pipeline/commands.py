@@ -31,7 +31,8 @@ _TRAIN_OPTIONS = [
      "| cifar10-2015", ""),
     ("--strategy", "train.strategy", str, "NAME", "single (one replica) | gradient (one step on "
      "the replicas' summed gradients) | mixture (replicas averaged once, at the end) | ipm "
-     "(replicas averaged every round)", ""),
+     "(replicas averaged every round) | async (no barrier: each replica's update applied as it "
+     "arrives; docs/strategies.md)", ""),
     ("--replicas", "train.replicas", int, "K", "model replicas trained side by side (any number "
      "of workers runs them)", "replicas"),
     ("--mix-every", "average.mix_every", str, "H", "ipm round length: H local steps (10) or H "
@@ -58,6 +59,21 @@ _TRAIN_OPTIONS = [
      "inputs"),
     ("--augment", "augment.policy", str, "POLICY", "none | flip | cifar (pad-crop and flip) | "
      "cifar-cutout | resized-crop (image folders)", ""),
+    ("--beta1", "train.beta1", float, "B", "Adam's first-moment decay", ""),
+    ("--beta2", "train.beta2", float, "B", "Adam's second-moment decay", ""),
+    ("--adam-eps", "train.adam_eps", float, "EPS", "Adam's epsilon", ""),
+    ("--outer-warmup-epochs", "average.outer_warmup_epochs", float, "E", "ipm: the outer lr "
+     "ramps from 1 to --outer-lr over the first E epochs", "epochs"),
+    ("--async-order", "asynchronous.order", str, "ORDER", "async: arrival (whoever finishes "
+     "first) | fixed (slot order: the same weights on any number of workers)", ""),
+    ("--max-staleness", "asynchronous.max_staleness", int, "S", "async: an update waits while "
+     "applying it would leave another replica more than S updates behind (>= K-1)", ""),
+    ("--staleness-scaling", "asynchronous.staleness_scaling", str, "RULE", "async: inverse (an "
+     "update counts 1/(1 + staleness)) | none", ""),
+    ("--async-push", "asynchronous.push", str, "WHAT", "async: delta (H local steps, push new - "
+     "pulled) | gradient (one gradient; the apply- task takes the optimizer step)", ""),
+    ("--replay-updates", "asynchronous.replay_updates", str, "FILE", "async: apply updates in "
+     "the order an arrival run logged to OUT/updates.jsonl (reproduces it byte for byte)", ""),
     ("--prefetch", "augment.prefetch", int, "N", "rounds of augmentation computed ahead of "
      "training", "rounds"),
     ("--seed", "seed", int, "N", "run seed: every random choice derives from it", ""),
@@ -87,7 +103,14 @@ _TRAIN_OPTIONS = [
      "scheduler and its workers", "s"),
 ]
 _CLUSTER_FIELDS = {f for _, f, *_ in _TRAIN_OPTIONS if f.startswith("cluster.")}
-_NO_DEFAULT = {"cluster.workers": "one per core", "cluster.scheduler": "none: a local cluster"}
+_RECIPE = "the strategy's recipe: for ipm with K > 1 "
+_NO_DEFAULT = {"cluster.workers": "one per core", "cluster.scheduler": "none: a local cluster",
+               "train.lr_scaling": _RECIPE + "sqrt (adam) or linear, else none",
+               "train.warmup_epochs": _RECIPE + "min(2, epochs/5), else 0",
+               "average.optimizer_state": _RECIPE + "average, else keep",
+               "average.outer_lr": "1", "average.outer_warmup_epochs": "0",
+               "train.beta1": "0.9", "train.beta2": "0.999", "train.adam_eps": "1e-8",
+               "asynchronous.max_staleness": "no bound"}
 _TOP_LEVEL = ("seed", "checkpoint_every", "eval_every", "tensorboard", "csv")
 
 TRAIN_DESCRIPTION = """\
@@ -129,6 +152,15 @@ def add_subcommands(sub) -> None:
     for flag, field, kind, metavar, text, unit in _TRAIN_OPTIONS:
         p.add_argument(flag, dest=field, type=kind, default=None, metavar=metavar,
                        help=_help(field, text, unit))
+    p.add_argument("--no-recipe", dest="train.recipe", action="store_const", const=False,
+                   default=None, help="ipm with K > 1 without the scale-out recipe's defaults "
+                   "(lr scaling, warmup, averaged optimizer state; docs/strategies.md)")
+    p.add_argument("--adaptive-outer", dest="average.adaptive_outer", action="store_const",
+                   const=True, default=None,
+                   help="ipm: outer lr x the replicas' AdaScale gain (1..K)")
+    p.add_argument("--pin-replicas", dest="cluster.pin_replicas", action="store_const",
+                   const=True, default=None,
+                   help="replica k's train tasks prefer worker k mod W (a rank on its device)")
     p.add_argument("--tta", dest="train.tta", action="store_const", const=True, default=None,
                    help="evaluate with test-time augmentation (flips and shifted crops)")
     p.add_argument("--download", dest="data.download", action="store_const", const=True,

@@ -8,14 +8,13 @@ import os
 import shutil
 from pathlib import Path
 
-from pipeline import checkpoint
+from pipeline import checkpoint, resume as resuming
 from pipeline.checkpoint import HostState
-from pipeline.errors import ResumeError, UsageError
+from pipeline.errors import UsageError
 
-# Config fields that may change between a run and its resume (where and how it runs, not what).
-RESUMABLE = {"cluster", "out", "progress"}
 # Files of a finished or interrupted run that --overwrite removes (strategies may add their own).
-RUN_FILES = ("metrics.jsonl", "model.npz", "curves.png", "summary.json")
+RUN_FILES = ("metrics.jsonl", "metrics.csv", "model.npz", "curves.png", "summary.json")
+RUN_DIRS = ("checkpoints", "tensorboard")
 
 
 def prepare(out: str | None, resume: bool, overwrite: bool) -> Path | None:
@@ -28,11 +27,12 @@ def prepare(out: str | None, resume: bool, overwrite: bool) -> Path | None:
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"output directory {out} exists and is not a directory")
-    if resume:
-        if not (out / "checkpoints").is_dir():
-            raise ResumeError(f"nothing to resume in {out}: it has no checkpoints/")
-    elif out.is_dir() and (out / "metrics.jsonl").exists() and not overwrite:
-        raise UsageError(f"{out} already holds a run; resume it with --resume or pick another --out")
+    if not resume and out.is_dir() and (out / "metrics.jsonl").exists() and not overwrite:
+        if not resuming.has_checkpoint(out) and not resuming.finished(out):
+            raise UsageError(f"{out} holds a run that stopped before its first checkpoint: start "
+                             f"it again with --resume {out}, or replace it with --overwrite")
+        raise UsageError(f"{out} already holds a run; resume it with --resume {out} (add --epochs "
+                         "N to train it longer) or pick another --out")
     parent = out.absolute()
     while not parent.exists():
         parent = parent.parent
@@ -43,22 +43,9 @@ def prepare(out: str | None, resume: bool, overwrite: bool) -> Path | None:
 
 
 def comparable(config) -> dict:
-    """The config sections that must match between a checkpoint and the run resuming it."""
-    return {k: v for k, v in config.to_dict().items() if k not in RESUMABLE}
-
-
-def check_same_run(out: Path, saved: dict, now: dict) -> None:
-    """ResumeError naming the first field where the checkpoint's config differs from now."""
-    for section in sorted(set(saved) | set(now)):
-        a, b = saved.get(section), now.get(section)
-        if isinstance(a, dict) and isinstance(b, dict):
-            for key in sorted(set(a) | set(b)):
-                if a.get(key) != b.get(key):
-                    raise ResumeError(f"{out} was written by a different run: {section}.{key} is "
-                                      f"{a.get(key)!r} there and {b.get(key)!r} now")
-        elif a != b:
-            raise ResumeError(f"{out} was written by a different run: {section} is {a!r} there "
-                              f"and {b!r} now")
+    """The config a checkpoint records: all but where and how the run ran (its epochs kept: a
+    resume plans the finished rounds by them)."""
+    return {k: v for k, v in config.to_dict().items() if k not in resuming.RESUMABLE}
 
 
 class RunDir:
@@ -71,16 +58,6 @@ class RunDir:
 
     def __bool__(self) -> bool:
         return self.path is not None
-
-    def resume_state(self) -> HostState:
-        """The newest checkpoint that verifies and belongs to this run."""
-        found = checkpoint.load_latest(self.path, warn=self.log)
-        if found is None:
-            raise ResumeError(f"no readable checkpoint in {self.path / 'checkpoints'}")
-        state, meta = found
-        check_same_run(self.path, meta["config"], comparable(self.config))
-        self.log(f"resuming {self.path} after round {state.round}")
-        return state
 
     def create(self, resume: bool, overwrite: bool) -> None:
         """Create the directory once the run is under way; clear a replaced run's outputs;
@@ -95,7 +72,8 @@ class RunDir:
         if not resume and overwrite:
             for name in RUN_FILES + self.extra_files:
                 (self.path / name).unlink(missing_ok=True)
-            shutil.rmtree(self.path / "checkpoints", ignore_errors=True)
+            for name in RUN_DIRS:
+                shutil.rmtree(self.path / name, ignore_errors=True)
         checkpoint.write_atomic(self.path / "config.json", self.config.to_json())
         if resume:
             for name in checkpoint.remove_temporaries(self.path):  # a killed driver's half-writes
@@ -132,7 +110,7 @@ class RunDir:
     def has_checkpoints(self) -> bool:
         return self.path is not None and (self.path / "checkpoints").is_dir()
 
-    def finish(self, model, history: list[dict], rounds: int, title: str) -> None:
+    def finish(self, model, history: list[dict], rounds: int, labels: dict) -> None:
         """model.npz (Chainer's own format), curves.png and summary.json of a finished run."""
         if self.path is None:
             return
@@ -141,8 +119,11 @@ class RunDir:
         tmp = self.path / ".model.npz.tmp.npz"
         serializers.save_npz(str(tmp), model)
         tmp.replace(self.path / "model.npz")
-        save_curves(history, self.path / "curves.png", title=title)
+        save_curves(history, self.path / "curves.png", **labels)
         last = history[-1] if history else {}
-        summary = dict(rounds=rounds, seconds=last.get("seconds"), train_acc=last.get("train_acc"),
-                       test_acc=last.get("test_acc"), test_loss=last.get("test_loss"))
+        summary = dict(status="done", rounds=rounds, epochs=self.config.train.epochs,
+                       seconds=last.get("seconds"), train_acc=last.get("train_acc"),
+                       test_acc=last.get("test_acc"), test_loss=last.get("test_loss"),
+                       model=self.config.model.name, n_classes=labels.get("n_classes"),
+                       dataset=labels.get("dataset"))
         checkpoint.write_atomic(self.path / "summary.json", json.dumps(summary, indent=1))

@@ -10,17 +10,19 @@ pure decision (``pipeline.recovery``); stage timing is ``pipeline.telemetry``; t
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import time
+from pathlib import Path
 from typing import Callable, NamedTuple
 
 import augment as aug
-from pipeline import averaging, outputs, recovery, strategies
+from pipeline import averaging, outputs, recovery, resume as resuming, strategies
 from pipeline.checkpoint import HostState
 from pipeline.config import Config
-from pipeline.errors import ClusterError, DivergenceError, one_line
+from pipeline.errors import (ClusterError, DivergenceError, Interrupted, ResumeError, UsageError,
+                             one_line)
 from pipeline.models import build_model, check_model_name
-from pipeline.schedule import steps_per_epoch
 from pipeline.state import set_state
 from pipeline.strategies.base import Context
 from pipeline.telemetry import StageClock
@@ -32,6 +34,7 @@ class TrainOutput(NamedTuple):
     params: dict  # the same weights as a state dict
     out: str | None
     config: Config
+    status: str = "done"  # "done", or "complete" when a resumed run had nothing left to do
 
 
 class _Pending(NamedTuple):
@@ -46,24 +49,149 @@ def _log_default(message: str) -> None:
 
 
 def train(config: Config, client=None, *, resume: bool = False, overwrite: bool = False,
-          log: Callable[[str], None] | None = None, on_round: Callable[[dict], None] | None = None
-          ) -> TrainOutput:
+          log: Callable[[str], None] | None = None, on_round: Callable[[dict], None] | None = None,
+          stop=None, hooks=()) -> TrainOutput:
     """Train ``config`` on ``client`` (or on a LocalCluster/scheduler from ``config.cluster``).
 
-    ``on_round`` is called with each round's metrics dict (live plots in notebooks).
+    ``on_round`` is called with each round's metrics dict (live plots in notebooks). ``stop``
+    (a :class:`pipeline.interrupt.StopRequest`) is read between rounds: once requested, the run
+    finishes the rounds in flight, writes a checkpoint and raises
+    :class:`pipeline.errors.Interrupted`. ``hooks`` are run-output hooks (:mod:`pipeline.hooks`)
+    besides the ones the config asks for. The data, the device and a resumed checkpoint are
+    checked before any cluster starts.
     """
     log = log or _log_default
     config = _normalise(config)
     out = outputs.prepare(config.out, resume, overwrite)
-    from pipeline.cluster import connect, local_gpus
+    found = resuming.load(out, config.to_dict(), log) if resume else None
+    # CIFAR and synthetic data are checked here, before a cluster starts; image folders and
+    # file lists are checked by scan- tasks on the cluster.
+    dataset = _load_dataset(config) if _reads_on_driver(config) else None
+    gpus = _check_device(config) if client is None else ()
+    prep = _prepare(config, out, dataset, found) if dataset is not None else None
+    if prep is not None and prep.complete:
+        return _already_complete(config, out, prep, log)
+    from pipeline.cluster import connect
     with contextlib.ExitStack() as stack:
         if client is None:
-            gpus = local_gpus() if config.train.device != "cpu" else ()
             client = stack.enter_context(connect(config.cluster, log=log, gpus=gpus))
-        run = _Run(client, config, outputs.RunDir(out, config, log,
-                                                  strategies.get(config.train.strategy).files),
-                   log, on_round)
+        if prep is None:
+            prep = _prepare(config, out, _load_dataset(config, client), found)
+            if prep.complete:
+                return _already_complete(config, out, prep, log)
+        files = strategies.get(config.train.strategy).files
+        run = _Run(client, config, outputs.RunDir(out, config, log, files), log, on_round,
+                   prep=prep, stop=stop, hooks=list(hooks) + _config_hooks(config, out))
         return run.run(resume, overwrite)
+
+
+class _Prepared(NamedTuple):
+    """What a run knows before a cluster starts: data, plan and the state it starts from."""
+    dataset: object  # pipeline.data.Dataset (lazy; validated on the driver)
+    rounds: list  # the plan: pipeline.schedule.Round for every round of the run
+    per_epoch: int
+    period: int
+    state: HostState | None  # the checkpoint a resume goes on from (None: from the start)
+
+    @property
+    def complete(self) -> bool:
+        return self.state is not None and self.state.round >= len(self.rounds) - 1
+
+
+def _reads_on_driver(config: Config) -> bool:
+    """Whether the data source is checked on the driver (CIFAR, synthetic), not in scan- tasks."""
+    from pipeline.data import READERS
+    cfg = config.data
+    reader = next((r for r in READERS if r.claims(cfg.source, cfg)), None)
+    return reader is None or reader.name in ("synthetic", "cifar")
+
+
+def _load_dataset(config: Config, client=None):
+    from pipeline.data import load_dataset
+    cfg = config.data
+    return load_dataset(cfg.source, cfg, download=cfg.download, client=client)
+
+
+def _check_device(config: Config) -> list:
+    """GPU ids for an embedded cluster; refuses ``--device gpu`` where it cannot work before a
+    cluster starts (with ``--scheduler`` the workers' resources decide, after connecting)."""
+    from pipeline.cluster import local_gpus, scheduler_address
+    device = config.train.device
+    if device == "cpu":
+        return []
+    gpus = local_gpus()
+    if device == "gpu" and scheduler_address(config.cluster) is None:
+        import importlib.util
+        if not gpus:
+            raise UsageError("--device gpu: this machine has no GPU for the local cluster "
+                             "(nvidia-smi lists none, or CUDA_VISIBLE_DEVICES is empty); use "
+                             "--device cpu, or --scheduler ADDR of a cluster with GPU workers")
+        if importlib.util.find_spec("cupy") is None:
+            raise UsageError("--device gpu needs CuPy: pip install -e '.[gpu]' (or --device cpu)")
+    return gpus
+
+
+def _prepare(config: Config, out, dataset, found: "resuming.Resume | None") -> _Prepared:
+    """The plan (the strategy's) and the state to start from; a resume keeps the finished
+    rounds as the checkpoint's run planned them and plans on to ``train.epochs``."""
+    strategy = strategies.get(config.train.strategy)
+    n_train = int(dataset.train_images.shape[0])
+    state, done = None, []
+    if found is not None:
+        state = found.state
+        if state is not None:
+            before = config.replace(**{"train.epochs": found.saved["train"]["epochs"]})
+            done = strategy.plan(before, n_train)[0][:state.round + 1]
+    rounds, per_epoch, period = strategy.plan(config, n_train, done)
+    if state is not None and len(done) == len(rounds):
+        trained = (done[-1].global_step + done[-1].steps) / per_epoch
+        if trained > config.train.epochs + 1e-9:
+            raise ResumeError(f"{out} has trained {trained:g} epochs already, more than "
+                              f"--epochs {config.train.epochs:g}")
+    return _Prepared(dataset, rounds, per_epoch, period, state)
+
+
+def _already_complete(config: Config, out, prep: _Prepared, log) -> TrainOutput:
+    """A resume with nothing left to run: say so and return the run's final state; no cluster."""
+    epochs = config.train.epochs
+    log(f"{out} is complete: {len(prep.rounds)} rounds, {epochs:g} epochs; to train it longer "
+        f"give more epochs: --resume {out} --epochs {epochs * 2:g}")
+    history = _read_metrics(out)
+    params = {k: v for k, v in prep.state.params[0].items() if not k.startswith("opt/")}
+    model = set_state(build_model(config.model.name, prep.dataset.n_classes), params)
+    return TrainOutput(history, model, params, str(out), config, status="complete")
+
+
+def _read_metrics(out) -> list:
+    """The whole lines of ``OUT/metrics.jsonl`` (a torn last line is dropped)."""
+    lines = []
+    path = Path(out) / "metrics.jsonl"
+    for text in path.read_text().splitlines() if path.exists() else ():
+        try:
+            lines.append(json.loads(text))
+        except ValueError:
+            break
+    return lines
+
+
+def _config_hooks(config: Config, out) -> list:
+    """The run-output hooks the config asks for, and the chance-level watch every run has."""
+    from pipeline import hooks
+    chosen = [hooks.ChanceWatch()]
+    if out is not None and config.csv:
+        chosen.append(hooks.CSVLog(Path(out) / "metrics.csv"))
+    if out is not None and config.tensorboard:
+        chosen.append(hooks.TensorBoardLog(Path(out) / "tensorboard"))
+    return chosen
+
+
+def _dataset_label(source: str) -> str:
+    """A short name for the data in titles: the directory or archive name, or synthetic:N:M.
+
+    >>> _dataset_label("/data/cifar-10-batches-py/"), _dataset_label("synthetic")
+    ('cifar-10-batches-py', 'synthetic')
+    """
+    return Path(str(source).rstrip("/")).name or str(source)
 
 
 def _normalise(config: Config) -> Config:
@@ -78,19 +206,19 @@ def _normalise(config: Config) -> Config:
 class _Run:
     """One training run on one client: set-up, the loop with its recovery, the outputs."""
 
-    def __init__(self, client, config: Config, out: outputs.RunDir, log, on_round):
+    def __init__(self, client, config: Config, out: outputs.RunDir, log, on_round, *,
+                 prep: _Prepared, stop=None, hooks=()):
         self.client, self.config, self.out, self.log, self.on_round = (
             client, config, out, log, on_round)
+        self.prep, self.stop, self.hooks = prep, stop, list(hooks)
         self.history: list[dict] = []
 
     # ---- set-up --------------------------------------------------------------------------
     def _setup(self) -> None:
         from pipeline import cluster, graph
-        from pipeline.data import load_dataset
         cfg, t = self.config, self.config.train
         t0 = time.perf_counter()
-        dataset = load_dataset(cfg.data.source, cfg.data, download=cfg.data.download,
-                               client=self.client)
+        dataset = self.prep.dataset
         device, train_res = self._device()
         augment_res = ({cfg.augment.resource: 1}
                        if cluster.has_resource(self.client, cfg.augment.resource) else None)
@@ -103,15 +231,13 @@ class _Run:
                                       augment_resources=augment_res,
                                       payload_bytes=averaging.nbytes(self.initial))
         self.K = t.replicas
-        self.ctx = Context(cfg, self.K, data.n_train,
-                           steps_per_epoch(data.n_train, self.K, t.batch_size),
-                           dataset.n_classes, device)
+        self.ctx = Context(cfg, self.K, data.n_train, self.prep.per_epoch, dataset.n_classes,
+                           device, tuple(self.prep.rounds))
         self.strategy_cls = strategies.get(t.strategy)
-        probe = self.strategy_cls(self.ctx, self.graph, self.log)
-        self.rounds = probe.rounds()
+        self.rounds = self.prep.rounds
         self.load_seconds = time.perf_counter() - t0
         self.log(f"{t.strategy}: {self.K} replica(s) x batch {t.batch_size}, {len(self.rounds)} "
-                 f"rounds of up to {probe.period()} step(s), {self.ctx.per_epoch} steps/epoch, "
+                 f"rounds of up to {self.prep.period} step(s), {self.ctx.per_epoch} steps/epoch, "
                  f"{data.n_train} training images, model {cfg.model.name}, device {device}")
 
     def _device(self):
@@ -130,23 +256,75 @@ class _Run:
     # ---- the loop ------------------------------------------------------------------------
     def run(self, resume: bool, overwrite: bool) -> TrainOutput:
         from pipeline import graph
-        # A checkpoint that does not fit is refused before the data is loaded and sent out.
-        state = self.out.resume_state() if resume else None
+        state = self.prep.state
+        if state is not None:
+            self.log(f"resuming {self.out.path} after round {state.round}")
         self._setup()
         state = state or self.strategy_cls(self.ctx, self.graph).initial_state(self.initial)
+        self.anchor = state
+        self._stop_before_start()
         self.out.create(resume, overwrite)
         if resume:
             self.history = self.out.truncate("metrics.jsonl", lambda x: x["round"] <= state.round)
-        self.start = time.perf_counter()
+        # Wall time counts on from where the resumed run stopped: `seconds` never runs backwards.
+        done = self.history[-1]["seconds"] if self.history else 0.0
+        self.start = time.perf_counter() - done
         self.clock = StageClock(load_seconds=self.load_seconds, first_round=state.round + 1)
-        self.shown_stages = None
+        self._start_hooks()
         progress = self._progress(state.round + 1)
-        self.anchor = state
-        with graph.task_stream(self.client) as stream, \
-                recovery.quiet_connection_loss() as quiet:
-            state = self._run_recovering(stream, progress, quiet)
-        progress.close()
+        try:
+            with graph.task_stream(self.client) as stream, \
+                    recovery.quiet_connection_loss() as quiet:
+                state = self._run_recovering(stream, progress, quiet)
+        finally:
+            progress.close()
+            for hook in self.hooks:
+                getattr(hook, "close", lambda: None)()
         return self._finish(state)
+
+    # ---- run-output hooks and stopping on request ---------------------------------------
+    def _start_hooks(self) -> None:
+        from pipeline.hooks import RunInfo
+        info = RunInfo(self.client, self.config, self.out.path, self.rounds, self.ctx.per_epoch,
+                       self.ctx.n_classes, _dataset_label(self.config.data.source), self.history,
+                       self.log)
+        for hook in self.hooks:
+            getattr(hook, "start", lambda info: None)(info)
+
+    def _stop_before_start(self) -> None:
+        """A stop asked for during set-up: nothing ran, nothing is written."""
+        if self.stop is not None and self.stop.requested:
+            where = (f"; resume: python -m pipeline train --resume {self.out.path}"
+                     if self.anchor.round >= 0 else "; nothing was written")
+            raise Interrupted(f"interrupted ({self.stop.name}) before round "
+                              f"{self.anchor.round + 1}{where}", self.stop.exit_status)
+
+    def _stop_now(self, attempt: recovery.Attempt, strategy, stream, progress) -> None:
+        """Stop on request at this round boundary: collect the rounds in flight, checkpoint the
+        state after the last of them, raise Interrupted with the one line to print."""
+        while attempt.pending:
+            last = attempt.pending.pop(0)
+            self._collect(last, stream, strategy, progress)
+            if not attempt.pending:
+                state = strategy.gather(last.rnd.index, last.live)
+                if self.out and self.anchor.round != state.round:
+                    self.out.save_checkpoint(state, strategy.final_params(state))
+                self.anchor = attempt.anchor = state
+        r = self.anchor.round
+        if not self.out:
+            message = f"interrupted after round {r}; no --out was given, so nothing was saved"
+        else:
+            from pipeline.plots import save_curves
+            save_curves(self.history, self.out.path / "curves.png", **self._curve_labels())
+            message = (f"interrupted after round {r} of {len(self.rounds)} ({self.stop.name}); "
+                       f"checkpoint saved; resume: python -m pipeline train --resume "
+                       f"{self.out.path}")
+        raise Interrupted(message, self.stop.exit_status)
+
+    def _curve_labels(self) -> dict:
+        cfg = self.config
+        return dict(title=f"{cfg.train.strategy} K={self.K} {cfg.model.name}",
+                    dataset=_dataset_label(cfg.data.source), n_classes=self.ctx.n_classes)
 
     def _run_recovering(self, stream, progress, quiet) -> HostState:
         """``_run_from`` the last anchor until the run is done; replay it after lost work."""
@@ -156,7 +334,7 @@ class _Run:
             replay = True
             try:
                 return self._run_from(attempt, stream, progress)
-            except DivergenceError:
+            except (DivergenceError, Interrupted):
                 self._forget(attempt)
                 raise
             except Exception as exc:
@@ -188,6 +366,8 @@ class _Run:
         prefetch, last = self.config.augment.prefetch, len(self.rounds) - 1
         state = attempt.anchor
         for rnd in self.rounds[attempt.anchor.round + 1:]:
+            if self.stop is not None and self.stop.requested:
+                self._stop_now(attempt, strategy, stream, progress)
             shard.prefetch(rnd.index + prefetch)
             submitted = strategy.submit_round(rnd, attempt.live, shard)
             attempt.live = submitted.live
@@ -256,6 +436,8 @@ class _Run:
             return  # a replayed round after a recovery: already reported
         self.history.append(line)
         self.out.append("metrics.jsonl", [line])
+        for hook in self.hooks:
+            hook(line)
         if self.on_round:
             self.on_round(line)
         progress.update(1)
@@ -324,8 +506,7 @@ class _Run:
     def _finish(self, state: HostState) -> TrainOutput:
         params = self.strategy_cls(self.ctx, self.graph).final_params(state)
         model = set_state(build_model(self.config.model.name, self.ctx.n_classes), params)
-        self.out.finish(model, self.history, len(self.rounds),
-                        f"{self.config.train.strategy} K={self.K} {self.config.model.name}")
+        self.out.finish(model, self.history, len(self.rounds), self._curve_labels())
         path = self.out.path
         return TrainOutput(self.history, model, params, str(path) if path else None, self.config)
 

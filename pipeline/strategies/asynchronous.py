@@ -163,8 +163,10 @@ class Async(Strategy):
     def acfg(self):
         return self.ctx.config.asynchronous
 
-    def period(self) -> int:
-        return 1 if self.acfg.push == "gradient" else super().period()
+    @classmethod
+    def period_of(cls, config, per_epoch):
+        return 1 if config.asynchronous.push == "gradient" else super().period_of(config,
+                                                                                  per_epoch)
 
     def initial_state(self, params):
         return HostState(-1, [params] * (self.K + 1), [None] * (self.K + 1), None)
@@ -172,7 +174,7 @@ class Async(Strategy):
     # ---- attempt start -------------------------------------------------------------------
     def restart(self, anchor, shard, out, replay: bool) -> None:
         self.shard = shard
-        self.rounds_ = self.rounds()
+        self.rounds_ = list(self.ctx.plan) or self.rounds()
         self.total = len(self.rounds_) * self.K
         self.out = out
         self.order = None

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 from pipeline.checkpoint import HostState
 from pipeline.errors import UsageError
-from pipeline.schedule import Round, learning_rate, plan_rounds
+from pipeline.schedule import Round, continue_plan, learning_rate, steps_per_epoch
 from pipeline.tasks import EvalSpec, StepSpec
 
 
@@ -24,6 +24,7 @@ class Context(NamedTuple):
     per_epoch: int  # global steps per epoch (K x B images each)
     n_classes: int
     device: str  # neutral device name of train tasks: cpu | gpu
+    plan: tuple = ()  # the run's rounds (a resumed, extended run keeps its finished ones)
 
     @property
     def warmup_steps(self) -> int:
@@ -102,14 +103,27 @@ class Strategy:
         if config.train.replicas < 1:
             raise UsageError("train.replicas must be >= 1")
 
-    def period(self) -> int:
+    @classmethod
+    def period_of(cls, config, per_epoch: int) -> int:
         """Local steps per round."""
-        return self.ctx.config.average.period(self.ctx.per_epoch)
+        return config.average.period(per_epoch)
+
+    @classmethod
+    def plan(cls, config, n_train: int, done: list = ()) -> tuple[list[Round], int, int]:
+        """(rounds, steps per epoch, local steps per round) of ``config``, after the ``done``
+        rounds of a resumed run (``schedule.continue_plan``)."""
+        t = config.train
+        per_epoch = steps_per_epoch(n_train, t.replicas, t.batch_size)
+        period = cls.period_of(config, per_epoch)
+        rounds = continue_plan(list(done), n_train, t.replicas, t.batch_size, t.epochs, period,
+                               cls.mix)
+        return rounds, per_epoch, period
+
+    def period(self) -> int:
+        return self.period_of(self.ctx.config, self.ctx.per_epoch)
 
     def rounds(self) -> list[Round]:
-        t = self.ctx.config.train
-        return plan_rounds(self.ctx.n_train, self.K, t.batch_size, t.epochs, self.period(),
-                           self.mix)
+        return self.plan(self.ctx.config, self.ctx.n_train)[0]
 
     # ---- state --------------------------------------------------------------------------
     def restart(self, anchor: HostState, shard, out, replay: bool) -> None:

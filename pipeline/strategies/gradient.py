@@ -11,7 +11,8 @@ class Gradient(Strategy):
     name = "gradient"
     stages = ("load", "augment", "train", "average", "update", "evaluate")
 
-    def period(self) -> int:
+    @classmethod
+    def period_of(cls, config, per_epoch):
         return 1  # every step is a reduction
 
     def scatter(self, state):
