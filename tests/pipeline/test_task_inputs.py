@@ -11,8 +11,9 @@ import copy
 import numpy as np
 import pytest
 
-from pipeline import averaging, graph, npz, tasks
+from pipeline import augment_graph, averaging, npz, tasks
 from pipeline.compat import serializers
+from pipeline.strategies import asynchronous, ipm
 from pipeline.rng import rng_for
 from pipeline.models import build_model
 from pipeline.state import (get_state, load_npz, make_optimizer, set_optimizer_state,
@@ -53,9 +54,9 @@ def _call_untouched(func, *args):
     return result
 
 
-def _spec(optimizer="momentum", mode="steps", opt_mode="keep", steps=2) -> tasks.StepSpec:
+def _spec(optimizer="momentum", mode="steps", steps=2) -> tasks.StepSpec:
     return tasks.StepSpec(MODEL, CLASSES, optimizer, 0.9, 1e-4, (0.05,) * steps, 4, mode,
-                          opt_mode, seed=0, round=1, replica=0)
+                          seed=0, round=1, replica=0)
 
 
 def _shard(n=8) -> tasks.Shard:
@@ -73,31 +74,34 @@ def params():
 def warm(params):
     """Params and a momentum optimizer state with its slots created (after one round)."""
     result = tasks.train(params, None, _shard(), _spec())
-    return result.payload, result.opt
+    return result.params, result.opt
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
-@pytest.mark.parametrize("opt_mode", ["keep", "reset"])
-def test_train_leaves_params_optimizer_state_and_shard_untouched(warm, optimizer, opt_mode):
+@pytest.mark.parametrize("fresh", [False, True], ids=["with state", "fresh optimizer"])
+def test_train_leaves_params_optimizer_state_and_shard_untouched(warm, optimizer, fresh):
     params, _ = warm
     opt = tasks.train(params, None, _shard(), _spec(optimizer)).opt  # slots of this optimizer
     # momentum's v, Adam's m and v: the slots Chainer used to adopt (SGD has none)
     assert optimizer == "sgd" or any(k.endswith(("/v", "/m")) for k in opt)
-    result = _call_untouched(tasks.train, params, opt, _shard(), _spec(optimizer, opt_mode=opt_mode))
+    result = _call_untouched(tasks.train, params, None if fresh else opt, _shard(),
+                             _spec(optimizer))
     assert result.metrics["finite"]
 
 
-def test_train_with_averaged_optimizer_state_in_the_payload(warm):
+def test_ipm_packing_of_averaged_optimizer_state_leaves_its_inputs_untouched(warm):
     params, opt = warm
-    carried = dict(params, **{"opt/" + k: v for k, v in opt.items()})
-    _call_untouched(tasks.train, carried, None, _shard(), _spec(opt_mode="average"))
+    packed = _call_untouched(ipm.pack, (params, opt, {}))
+    _call_untouched(ipm.unpack, packed)
+    _call_untouched(ipm.pack_leaf, (params, opt, {}))
 
 
 def test_gradient_mode_and_update_leave_their_inputs_untouched(warm):
     params, opt = warm
-    grad = _call_untouched(tasks.train, params, None, _shard(), _spec(mode="gradient")).payload
+    grad = _call_untouched(tasks.train, params, None, _shard(), _spec(mode="gradient")).params
     new_params, new_opt = _call_untouched(tasks.update, params, opt, grad, _spec())
     assert new_params.keys() == params.keys() and new_opt.keys() == opt.keys()
+    _call_untouched(asynchronous.apply_gradient, params, opt, grad, 0.5, _spec())
 
 
 def test_evaluation_leaves_its_inputs_untouched(warm):
@@ -112,12 +116,14 @@ def test_the_task_functions_of_the_graph_leave_their_inputs_untouched(warm):
     params, _ = warm
     shard = _shard(8)
     blocks = ([shard.images[:5], shard.images[5:]], [shard.labels[:5], shard.labels[5:]])
-    _call_untouched(graph.augment, *blocks, (0, 5), np.array([7, 0, 3, 5]), np.arange(4),
+    _call_untouched(augment_graph.augment, *blocks, (0, 5), np.array([7, 0, 3, 5]), np.arange(4),
                     "cifar-cutout", 0, 0, 1000)
     other = {k: v + 1 if averaging.is_float(v) else v for k, v in params.items()}
     mean = averaging.mean([params, other])
-    new, buf = _call_untouched(graph.average_outer, params, mean, None, 0.7, 0.9)
-    _call_untouched(graph.average_outer, params, mean, buf, 0.7, 0.9)
+    new, _, buf = _call_untouched(ipm.average_outer, params, mean, None, 0.7, 0.9, False)
+    _call_untouched(ipm.average_outer, params, mean, buf, 0.7, 0.9, False,
+                    [{"delta_sq": 1.0}, {"delta_sq": 2.0}])
+    _call_untouched(asynchronous.apply, params, params, other, 0.5)
     partials = [_call_untouched(averaging.leaf, p, 2) for p in (params, other)]
     _call_untouched(averaging.combine, partials)
     _call_untouched(averaging.finalize, averaging.combine(partials))
