@@ -134,10 +134,12 @@ def check_state(state: HostState, template: dict, where: str) -> None:
     for k, opt in enumerate(state.opts):
         for name, value in (opt or {}).items():
             _check_slot(name, value, template, lambda what: fail(f"replica {k} optimizer {what}"))
-    for name, value in (state.outer or {}).items():
+    for name, value in (state.outer or {}).items():  # an outer momentum, or a schedule (async)
         ref = template.get(name)
-        if ref is None or value.shape != ref.shape or value.dtype.kind != "f":
+        if ref is not None and (value.shape != ref.shape or value.dtype.kind != "f"):
             fail(f"outer momentum {name!r} does not match the model")
+        if ref is None and (value.dtype.kind not in "iu" or value.size > 1 << 16):
+            fail(f"outer entry {name!r} is neither a parameter's momentum nor a small counter")
 
 
 def _check_slot(name: str, value: np.ndarray, template: dict, fail) -> None:

@@ -86,8 +86,7 @@ class RunDir:
         path = self.path / name
         if not path.exists():
             return []
-        # a torn or garbled line is skipped, never the lines after it
-        kept = [x for x in rundir.read_metrics(path, 1 << 62, self.log) if keep(x)]
+        kept = rundir.read_lines(path, keep, self.log)  # a torn or garbled line is skipped
         checkpoint.write_atomic(path, "".join(rundir.dumps(x) + "\n" for x in kept))
         return kept
 

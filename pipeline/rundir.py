@@ -211,39 +211,55 @@ def append_lines(path: Path, lines: list[dict]) -> None:
         raise OutputError(f"cannot write {path}: {_reason(exc)}") from None
 
 
-def read_metrics(path: Path, last_round: int, log: Callable[[str], None] | None = None
-                 ) -> list[dict]:
-    """The lines of ``metrics.jsonl`` for rounds ``0..last_round``, in round order.
+def read_lines(path: Path, keep: Callable[[dict], bool] = lambda record: True,
+               log: Callable[[str], None] | None = None) -> list[dict]:
+    """The records of a JSON-lines file of ours (``metrics.jsonl``, ``updates.jsonl``) for which
+    ``keep(record)`` holds, in file order.
 
-    A line that is not a metrics record (garbage, a torn write, a round out of range or seen
-    before) is skipped, and the others are kept: one bad line never drops the rounds after it.
-    ``log`` hears one line naming the skipped lines.
+    A line that is not a whole JSON object (garbage, a torn write), or that ``keep`` cannot judge
+    (a field missing or of the wrong type), is skipped and the others are kept: one bad line never
+    drops the lines after it. ``log`` hears one line naming the skipped ones.
     """
-    kept: dict[int, dict] = {}
-    bad: list[int] = []
+    kept, bad = [], []
     with open_regular(path, ResumeError) as f:
         for number, raw in enumerate(iter(lambda: f.readline(MAX_METRICS_LINE + 1), b""), 1):
-            record = _metrics_record(raw)
-            if record is None or len(raw) > MAX_METRICS_LINE or record["round"] in kept:
+            record = _json_record(raw)
+            try:
+                if record is None:
+                    bad.append(number)
+                elif keep(record):
+                    kept.append(record)
+            except (KeyError, TypeError, ValueError):
                 bad.append(number)
-            elif record["round"] <= last_round:
-                kept[record["round"]] = record
     if bad and log:
         shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
-        log(f"{path}: skipped {len(bad)} unreadable or repeated line(s) (line {shown})")
-    return [kept[r] for r in sorted(kept)]
+        log(f"{path}: skipped {len(bad)} unreadable line(s) (line {shown})")
+    return kept
 
 
-def _metrics_record(raw: bytes) -> dict | None:
-    if not raw.endswith(b"\n"):
-        return None  # torn: the writer was killed mid-line
+def read_metrics(path: Path, last_round: int, log: Callable[[str], None] | None = None
+                 ) -> list[dict]:
+    """The lines of ``metrics.jsonl`` for rounds ``0..last_round``, one per round, in round order
+    (a line naming a round again, or no round, is skipped like a garbled one)."""
+    seen: set = set()
+
+    def keep(record):
+        r = record["round"]
+        if type(r) is not int or r < 0 or r in seen:
+            raise ValueError(r)
+        seen.add(r)
+        return r <= last_round
+    return sorted(read_lines(path, keep, log), key=lambda record: record["round"])
+
+
+def _json_record(raw: bytes) -> dict | None:
+    if not raw.endswith(b"\n") or len(raw) > MAX_METRICS_LINE:
+        return None  # torn (the writer was killed mid-line), or not a line of ours
     try:
         record = json.loads(raw)
     except (ValueError, RecursionError):
         return None
-    if not isinstance(record, dict) or type(record.get("round")) is not int or record["round"] < 0:
-        return None
-    return record
+    return record if isinstance(record, dict) else None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -179,9 +179,10 @@ def _read_metrics(out) -> list:
 
 def _check_resumed(config: Config, out, state: HostState, n_classes: int) -> None:
     """The checkpoint's arrays fit the model (names, shapes, dtypes) before anything is sent."""
-    if len(state.params) != config.train.replicas:
+    if len(state.params) < config.train.replicas or len(state.opts) != len(state.params):
         raise ResumeError(f"checkpoint of round {state.round} in {out} holds "
-                          f"{len(state.params)} replica(s), the run has {config.train.replicas}")
+                          f"{len(state.params)} parameter set(s), the run has "
+                          f"{config.train.replicas} replica(s)")
     template = _initial_params(config, n_classes)
     checkpoint.check_state(state, template, f"round {state.round} in {out}")
 
