@@ -166,8 +166,8 @@ class ChainerBackend:
         model = _model(spec, params)
         optimizer = _optimizer(spec, model, opt_state)
         trainable = set(param_keys(model))
-        for path, param in model.namedparams():
-            param.grad = _to_device(gradient[path.lstrip("/")], spec.device)
+        for path, param in model.namedparams():  # a copy: weight decay adds into the grad
+            param.grad = _to_device(np.array(gradient[path.lstrip("/")]), spec.device)
         optimizer.update()
         new_params = get_state(model)
         for key, value in gradient.items():  # BatchNorm statistics: the gradient's

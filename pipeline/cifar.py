@@ -21,8 +21,10 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import io
+import math
 import os
 import pickle
+import pickletools
 import struct
 import tarfile
 import zlib
@@ -32,16 +34,22 @@ import numpy as np
 
 from pipeline import errors
 from pipeline.errors import DataError
+from pipeline.files import check_size, open_regular, read_capped
 from pipeline.rng import rng_for
-
-try:  # NumPy >= 2 moved the module; the official files name the old path, pickles from NumPy 2 the new
-    from numpy._core.multiarray import _reconstruct
-except ImportError:  # pragma: no cover - NumPy 1.x
-    from numpy.core.multiarray import _reconstruct
 
 IMAGE_SHAPE = (3, 32, 32)
 IMAGE_BYTES = 3 * 32 * 32
 RECORD_BYTES = 1 + IMAGE_BYTES  # binary version: one label byte, then the image
+# The largest official file holds 50,000 images (CIFAR-100's train); we allow all 60,000 images
+# of CIFAR-10 in one file. Reads are capped by what a file of that many images can be, so a
+# huge, sparse or endless file is refused before it is read.
+MAX_IMAGES_PER_FILE = 60_000
+_PICKLE_OVERHEAD = 256  # bytes per image besides its pixels: labels, a file name, opcodes (~60)
+MAX_PYTHON_BATCH_BYTES = MAX_IMAGES_PER_FILE * (IMAGE_BYTES + _PICKLE_OVERHEAD)
+MAX_BINARY_BATCH_BYTES = MAX_IMAGES_PER_FILE * RECORD_BYTES
+MAX_META_BYTES = 1 << 20  # 10 or 120 class names; the official meta files are < 2 KB
+_MAX_TAR_HEADER = 64 << 10  # a pax or GNU long-name header; ours and the official ones are none
+_MAX_TAR_TRAILER = 1 << 20  # zero padding after the end-of-archive blocks (tar pads to 10 KiB)
 TRAIN_BATCHES = 5  # CIFAR-10 splits its 50,000 training images over five batch files
 CIFAR10_LABEL_NAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",
                        "ship", "truck")
@@ -121,8 +129,9 @@ def load(chunk: BatchFile | SyntheticChunk) -> tuple[np.ndarray, np.ndarray]:
     """
     if isinstance(chunk, SyntheticChunk):
         return synthetic_batch(chunk.seed, chunk.split, chunk.index, chunk.n)
+    lay = LAYOUTS[chunk.layout]
     if chunk.member is None:
-        raw = _read_file(chunk.path)
+        raw = _read_file(chunk.path, lay)
     else:
         raw = _read_archive(chunk.path, {chunk.member})[1].get(chunk.member)
         if raw is None:
@@ -187,7 +196,8 @@ def _check_names(where: str, lay: Layout, names: set[str]) -> None:
     extra = sorted(name for name in names if name not in required and name not in lay.optional
                    and not name.startswith(".") and not name.endswith("~"))
     if extra:
-        raise DataError(f"{where}: unexpected file(s) {', '.join(extra)} ({lay.top} holds only "
+        listed = ", ".join(n[:80] for n in extra[:8]) + (", ..." if len(extra) > 8 else "")
+        raise DataError(f"{where}: unexpected file(s) {listed} ({lay.top} holds only "
                         f"{', '.join((*required, *lay.optional))})")
 
 
@@ -199,17 +209,17 @@ def _scan_dir(directory: str, lay: Layout, label_kind: str) -> Catalog:
     _check_names(directory, lay, names)
     paths = {name: os.path.join(directory, name) for name in (*lay.train, *lay.test, lay.meta)}
     files = {name: BatchFile(lay.key, path, None, label_kind) for name, path in paths.items()}
-    catalog = _catalog(lay, lambda name: _read_file(paths[name]), files, (), label_kind)
+    catalog = _catalog(lay, lambda name: _read_file(paths[name], lay), files, (), label_kind)
     return catalog._replace(stamp=tuple(_stamp(path) for path in paths.values()))
 
 
 def _scan_archive(path: str, label_kind: str) -> Catalog:
-    top, members = _read_archive(path, None)
-    lay = next((lay for lay in LAYOUTS.values() if lay.top == top), None)
+    top, members, seen = _read_archive(path, None)
+    lay = _layout_of_top(top)
     if lay is None:
-        raise DataError(f"{path}: the archive holds {top}/, not cifar-10-batches-py/, "
+        raise DataError(f"{path}: the archive holds {top[:80]}/, not cifar-10-batches-py/, "
                         "cifar-10-batches-bin/ or cifar-100-python/")
-    names = {name.split("/", 1)[1] for name in members}
+    names = {name.split("/", 1)[1] for name in seen if "/" in name}
     _check_names(path, lay, names)
     raw = {name.split("/", 1)[1]: data for name, data in members.items()}
     files = {name: BatchFile(lay.key, path, f"{top}/{name}", label_kind) for name in raw}
@@ -244,87 +254,227 @@ def _stamp(path: str) -> tuple:
     return path, st.st_size, st.st_mtime_ns
 
 
-def _read_file(path: str) -> bytes:
-    """All bytes of a file, with one-line errors for the ways that fails."""
-    if os.path.isdir(path):
-        raise DataError(f"{path}: is a directory, expected a file")
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise DataError(f"{path}: no such file") from None
-    except PermissionError:
-        raise DataError(f"{path}: cannot read the file (permission denied)") from None
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read the file ({one_line(exc)})") from None
+def limit_of(lay: Layout, name: str) -> tuple[int, str]:
+    """(most bytes, what it is) that file ``name`` of layout ``lay`` may hold.
 
-
-def _read_archive(path: str, wanted: set[str] | None) -> tuple[str, dict[str, bytes]]:
-    """(top directory, {member name: bytes}) of a tarball, in one sequential pass, never extracted.
-
-    ``wanted=None`` reads every member under the top directory; members elsewhere, nested
-    directories and links where files belong are errors.
+    >>> limit_of(LAYOUTS["cifar10-binary"], "test_batch.bin")
+    (184380000, 'a CIFAR binary batch of at most 60000 images')
     """
-    if os.path.isdir(path):
-        raise DataError(f"{path}: is a directory, expected a file")
+    if name == lay.meta:
+        return MAX_META_BYTES, "a CIFAR meta file"
+    if lay.key == "cifar10-binary":
+        return MAX_BINARY_BATCH_BYTES, f"a CIFAR binary batch of at most {MAX_IMAGES_PER_FILE} images"
+    return MAX_PYTHON_BATCH_BYTES, f"a CIFAR python batch of at most {MAX_IMAGES_PER_FILE} images"
+
+
+def _read_file(path: str, lay: Layout) -> bytes:
+    """All bytes of a regular file, at most what its format allows; one-line errors."""
+    return read_capped(path, *limit_of(lay, os.path.basename(path)))
+
+
+def _layout_of_top(top: str) -> Layout | None:
+    return next((lay for lay in LAYOUTS.values() if lay.top == top), None)
+
+
+class _MemberError(DataError):
+    """A problem with one tar member, raised where the archive's path is not known."""
+
+
+class _CappedTarInfo(tarfile.TarInfo):
+    """Refuses, before tarfile reads them whole into memory, pax and GNU long-name headers larger
+    than any real archive has, and old-style GNU sparse members (a small sparse member can
+    expand to terabytes)."""
+
+    def _proc_member(self, tarfile_):  # tarfile's documented hook for member processing
+        if self.type == tarfile.GNUTYPE_SPARSE:
+            raise _MemberError(f"{self.name[:80]}: is a sparse file, not a regular file")
+        if self.type in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE,
+                         tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK) \
+                and self.size > _MAX_TAR_HEADER:
+            raise DataError(f"an extended tar header of {self.size} bytes (at most "
+                            f"{_MAX_TAR_HEADER})")
+        return super()._proc_member(tarfile_)
+
+
+def _read_archive(path: str, wanted: set[str] | None
+                  ) -> tuple[str, dict[str, bytes], set[str]]:
+    """(top directory, {member name: bytes}, every member name) of a tarball, in one sequential
+    pass, never extracted.
+
+    ``wanted=None`` reads every file of the layout that the top directory names and checks the
+    whole archive: members elsewhere, nested directories, links, sparse files and a name twice
+    are errors, as is a member larger than its format allows (checked before it is read).
+    """
+    f = open_regular(path)
+    top, out, seen = None, {}, set()
     try:
-        f = open(path, "rb")
-    except PermissionError:
-        raise DataError(f"{path}: cannot read the file (permission denied)") from None
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read the file ({one_line(exc)})") from None
-    top, out = None, {}
-    try:
-        with f, tarfile.open(fileobj=f, mode="r:*") as tar:
+        with f, tarfile.open(fileobj=f, mode="r:*", tarinfo=_CappedTarInfo) as tar:
             for member in tar:
                 name = member.name.removeprefix("./").rstrip("/")
                 head, _, rest = name.partition("/")
                 top = head if top is None else top
                 if head != top or "/" in rest:
-                    raise DataError(f"{path}: unexpected member {member.name} (an official archive "
-                                    f"holds only the files of {top}/)")
-                if not rest or (wanted is not None and name not in wanted):
+                    raise DataError(f"{path}: unexpected member {member.name[:80]} (an official "
+                                    f"archive holds only the files of {top}/)")
+                if name in seen:
+                    raise DataError(f"{path}: holds {name} twice (an archive with a duplicated "
+                                    "member is refused: which copy counts is ambiguous)")
+                seen.add(name)
+                _check_member(path, name, member, _layout_of_top(top), wanted)
+                if not rest or (wanted is not None and name not in wanted) or \
+                        not _needed(_layout_of_top(top), rest):
                     continue
-                if not member.isfile():
-                    raise DataError(f"{path}:{name}: is not a regular file")
-                out[name] = tar.extractfile(member).read()
+                out[name] = _member_bytes(tar, member, path, name)
                 if wanted is not None and wanted <= out.keys():
                     break  # a load- task needs one member: stop decompressing
             if wanted is None:
                 _check_archive_end(tar, path)
-    except DataError:
-        raise
-    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
+    except DataError as exc:
+        text = str(exc)
+        raise DataError(f"{path}:{text}" if isinstance(exc, _MemberError) else
+                        text if text.startswith(path) else f"{path}: {text}") from None
+    except MemoryError:
+        raise DataError(f"{path}: not enough memory to read the archive") from None
+    except (tarfile.TarError, EOFError, OSError, zlib.error, ValueError) as exc:
         raise DataError(f"{path}: corrupt, truncated or not a tar archive "
                         f"({one_line(exc)})") from None
     if top is None:
         raise DataError(f"{path}: the archive is empty")
-    return top, out
+    return top, out, seen
+
+
+def _check_member(path: str, name: str, member: tarfile.TarInfo, lay: Layout | None,
+                  wanted) -> None:
+    """What can be refused from a member's header alone, before its data is read."""
+    if member.issparse():
+        raise DataError(f"{path}:{name}: is a sparse file, not a regular file")
+    if lay is None or "/" not in name:
+        return
+    base = name.split("/", 1)[1]
+    if _needed(lay, base) and (wanted is None or name in wanted):
+        if not member.isfile():
+            raise DataError(f"{path}:{name}: is not a regular file")
+        limit, what = limit_of(lay, base)
+        check_size(f"{path}:{name}", member.size, limit, what)
+
+
+def _needed(lay: Layout | None, base: str) -> bool:
+    """Whether a member's bytes are read: the layout's batches and meta file (not the readme)."""
+    return lay is not None and base in (*lay.train, *lay.test, lay.meta)
+
+
+def _member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo, path: str, name: str) -> bytes:
+    data = tar.extractfile(member).read(member.size + 1)
+    if len(data) != member.size:
+        raise DataError(f"{path}:{name}: holds {len(data)} bytes, its header says {member.size}")
+    return data
 
 
 def _check_archive_end(tar: tarfile.TarFile, path: str) -> None:
     """Corruption tarfile lets pass: it ends the member list silently at a garbled header, and
-    gzip verifies its CRC only at the end of the stream."""
+    gzip verifies its CRC only at the end of the stream. Padding after the end is capped."""
     tar.fileobj.seek(tar.offset)  # where iteration stopped: must be the zero end-of-archive block
     if tar.fileobj.read(tarfile.BLOCKSIZE).strip(b"\0"):
         raise DataError(f"{path}: corrupt, truncated or not a tar archive (invalid tar header at "
                         f"byte {tar.offset})")
-    while tar.fileobj.read(1 << 20):  # decompress to the end so gzip/bz2/xz check integrity
-        pass
+    trailer = 0
+    while block := tar.fileobj.read(1 << 16):  # to the end, so gzip/bz2/xz check integrity
+        trailer += len(block)
+        if trailer > _MAX_TAR_TRAILER or block.strip(b"\0"):
+            raise DataError(f"{path}: unexpected data after the end of the tar archive")
 
 
 # --------------------------------------------------------------------------------------------
 # Parsing and validating
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
-    """Resolves only the globals the official batches need; anything else is refused, unrun."""
+# The official pickles hold each array as three calls: _reconstruct(ndarray, (0,), b"b") makes an
+# empty array, numpy.dtype("u1", 0, 1) a dtype, and BUILD sets the array's state (shape, dtype,
+# raw bytes) and the dtype's (byte order). Letting the pickle call NumPy's own ndarray and dtype
+# lets a 200-byte file declare a terabyte array over a few bytes, or a dtype larger than its
+# buffer: reads of memory nobody allocated. So the unpickler resolves those names to stand-ins
+# that only record what the file says; the array is then built by us, from a dtype on a short
+# list, with a shape whose size equals the bytes actually present.
+_DTYPES = {f"{kind}{size}" for kind, sizes in (("u", "1248"), ("i", "1248"), ("f", "248"))
+           for size in sizes} | {"b1"}
+_MAX_NDIM = 4  # a batch's data is 2-d, its labels 1-d
 
-    ALLOWED = {
-        ("numpy.core.multiarray", "_reconstruct"): _reconstruct,  # files written by NumPy 1 / Py 2
-        ("numpy._core.multiarray", "_reconstruct"): _reconstruct,  # files re-pickled by NumPy 2
-        ("numpy", "ndarray"): np.ndarray,
-        ("numpy", "dtype"): np.dtype,
+
+class _NdarrayName:
+    """What ``numpy.ndarray`` resolves to in a CIFAR pickle: a name, never called."""
+
+
+class _PendingArray:
+    """What ``_reconstruct`` returns: an array to be, built when BUILD gives its state."""
+
+    def __init__(self, where: str):
+        self.where, self.array = where, None
+
+    def __setstate__(self, state):
+        self.array = _array_from_state(state, self.where)
+
+
+class _DtypeSpec:
+    """What ``numpy.dtype(name, align, copy)`` returns: a checked name, then a byte order."""
+
+    def __init__(self, where: str, name):
+        name = _text(name)
+        if name not in _DTYPES:
+            raise DataError(f"{where}: refused dtype {str(name)[:20]!r} in pickle (a CIFAR batch "
+                            "holds only plain integer or float arrays)")
+        self.where, self.name, self.order = where, name, "|" if name in ("u1", "i1", "b1") else "<"
+
+    def __setstate__(self, state):
+        # (version, byte order, subarray, names, fields, elsize, alignment, flags); the official
+        # files and NumPy 2's pickles say (3, order, None, None, None, -1, -1, 0).
+        if not (isinstance(state, tuple) and len(state) == 8 and state[0] in (3, 4)
+                and _text(state[1]) in ("<", ">", "|", "=") and state[2:5] == (None,) * 3
+                and state[5] in (-1, np.dtype(self.name).itemsize)
+                and state[6] in (-1, np.dtype(self.name).alignment) and state[7] == 0):
+            raise DataError(f"{self.where}: refused dtype state in pickle (not a plain "
+                            f"{self.name} array)")
+        order = _text(state[1])
+        self.order = "<" if order == "=" and np.little_endian else order
+
+    def dtype(self) -> np.dtype:
+        order = "|" if self.name in ("u1", "i1", "b1") else (">" if self.order == ">" else "<")
+        return np.dtype(order + self.name)
+
+
+def _text(value):
+    return value.decode("latin-1") if isinstance(value, bytes) else value
+
+
+def _array_from_state(state, where: str) -> np.ndarray:
+    """``ndarray.__setstate__``'s (version, shape, dtype, fortran, raw bytes), checked, as a
+    fresh array owning exactly the bytes the file holds."""
+    if not (isinstance(state, tuple) and len(state) == 5 and state[0] == 1):
+        raise DataError(f"{where}: refused array state in pickle (not a plain array)")
+    _, shape, spec, fortran, raw = state
+    if not (isinstance(shape, tuple) and len(shape) <= _MAX_NDIM
+            and all(type(n) is int and 0 <= n for n in shape)):
+        raise DataError(f"{where}: refused array shape {str(shape)[:60]} in pickle")
+    if not isinstance(spec, _DtypeSpec) or type(fortran) is not bool or \
+            not isinstance(raw, (bytes, bytearray)):
+        raise DataError(f"{where}: refused array state in pickle (not a plain array)")
+    dtype = spec.dtype()
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes != len(raw):
+        raise DataError(f"{where}: an array of shape {shape} and dtype {dtype} needs {nbytes} "
+                        f"bytes, the file holds {len(raw)}")
+    array = np.frombuffer(raw, dtype=dtype).reshape(shape, order="F" if fortran else "C")
+    return np.array(array, dtype=dtype.newbyteorder("="), order="C")  # a writable copy
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Resolves only the globals the official batches need, to stand-ins; anything else is
+    refused, unrun."""
+
+    GLOBALS = {
+        ("numpy.core.multiarray", "_reconstruct"),  # files written by NumPy 1 / Python 2
+        ("numpy._core.multiarray", "_reconstruct"),  # files re-pickled by NumPy 2
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
     }
 
     def __init__(self, file, where: str):
@@ -332,14 +482,56 @@ class _RestrictedUnpickler(pickle.Unpickler):
         self.where = where
 
     def find_class(self, module, name):
-        try:
-            return self.ALLOWED[(module, name)]
-        except KeyError:
+        if (module, name) not in self.GLOBALS:
             raise DataError(f"{self.where}: refused pickle global {module}.{name} (a CIFAR batch "
-                            "needs only numpy array reconstruction; nothing was run)") from None
+                            "needs only numpy array reconstruction; nothing was run)")
+        if name == "ndarray":
+            return _NdarrayName
+        if name == "dtype":
+            return lambda dtype, align=False, copy=False: _DtypeSpec(self.where, dtype)
+        return self._reconstruct
+
+    def _reconstruct(self, cls, shape, typecode):
+        if cls is not _NdarrayName or shape != (0,) or typecode not in (b"b", "b"):
+            raise DataError(f"{self.where}: refused _reconstruct arguments in pickle (not an "
+                            "array of the official form)")
+        return _PendingArray(self.where)
 
     def persistent_load(self, pid):
         raise DataError(f"{self.where}: refused persistent id in pickle (not a CIFAR batch)")
+
+
+def _check_opcodes(raw: bytes, where: str) -> None:
+    """Walk the opcodes once without running them: every length a string, bytes or frame opcode
+    declares must be present, so the unpickler never allocates more than the file holds
+    (BINBYTES8 would reserve its declared size first); buffers out of band are refused."""
+    try:
+        for op, _, _ in pickletools.genops(raw):
+            if op.name in ("NEXT_BUFFER", "READONLY_BUFFER"):
+                raise DataError(f"{where}: refused out-of-band buffer in pickle")
+    except DataError:
+        raise
+    except Exception as exc:  # ValueError: truncated argument or unknown opcode
+        raise DataError(f"{where}: truncated or corrupt pickle ({type(exc).__name__}: "
+                        f"{one_line(exc)})") from None
+
+
+def _resolve(obj):
+    """The unpickled object with every built array in place of its stand-in (dict values and
+    list items of the top level: where a batch keeps its arrays)."""
+    if isinstance(obj, _PendingArray):
+        if obj.array is None:
+            raise DataError(f"{obj.where}: an array without its state in pickle")
+        return obj.array
+    if isinstance(obj, dict):
+        return {k: _resolve_leaf(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_resolve_leaf(v) for v in obj]
+    return obj
+
+
+def _resolve_leaf(value):
+    return _resolve(value) if isinstance(value, _PendingArray) else value
 
 
 def safe_unpickle(raw: bytes, where: str):
@@ -353,11 +545,14 @@ def safe_unpickle(raw: bytes, where: str):
     """
     if not raw:
         raise DataError(f"{where}: the file is empty")
+    _check_opcodes(raw, where)
     try:
-        return _RestrictedUnpickler(io.BytesIO(raw), where).load()
+        return _resolve(_RestrictedUnpickler(io.BytesIO(raw), where).load())
     except DataError:
         raise
-    except Exception as exc:  # UnpicklingError, EOFError, numpy's setstate errors, ...
+    except MemoryError:
+        raise DataError(f"{where}: not enough memory to unpickle it") from None
+    except Exception as exc:  # UnpicklingError, EOFError, TypeError from a bad call, ...
         raise DataError(f"{where}: truncated or corrupt pickle ({type(exc).__name__}: "
                         f"{one_line(exc)})") from None
 
@@ -387,9 +582,21 @@ def _check_labels(labels, n: int, n_classes: int, where: str) -> np.ndarray:
     """A list or 1-d array of n class ids in [0, n_classes) -> ``(n,) int32``, or DataError."""
     if not isinstance(labels, (list, tuple, np.ndarray)):
         raise DataError(f"{where}: labels are a {type(labels).__name__}, expected a list of int")
-    arr = np.asarray(labels)
-    if arr.ndim != 1 or len(arr) != n:
-        raise DataError(f"{where}: {arr.size} labels for {n} images (label/data count mismatch)")
+    count = labels.size if isinstance(labels, np.ndarray) else len(labels)
+    if count != n or (isinstance(labels, np.ndarray) and labels.ndim != 1):
+        raise DataError(f"{where}: {count} labels for {n} images (label/data count mismatch)")
+    if isinstance(labels, np.ndarray):  # counted first: nothing is converted before it fits
+        arr = labels
+    else:
+        odd = next((i for i, x in enumerate(labels) if type(x) is not int
+                    or not -2**31 <= x < 2**31), None)
+        if odd is not None and type(labels[odd]) is not int:
+            raise DataError(f"{where}: labels must be integers, found "
+                            f"{type(labels[odd]).__name__} {repr(labels[odd])[:20]}")
+        if odd is not None:
+            raise DataError(f"{where}: label at index {odd} is out of range [0, {n_classes}) "
+                            f"({len(str(abs(labels[odd])))} digits)")
+        arr = np.array(labels, dtype=np.int64)
     if arr.dtype.kind not in "iu":
         raise DataError(f"{where}: labels have dtype {arr.dtype}, expected integers")
     bad = np.flatnonzero((arr < 0) | (arr >= n_classes))
@@ -559,8 +766,13 @@ def write_synthetic(out: str, n_train: int = 5000, n_test: int = 1000, seed: int
     if n_train < TRAIN_BATCHES:
         raise ValueError(f"n_train must be >= {TRAIN_BATCHES} (one image per batch file), "
                          f"got {n_train}")
+    if n_train > TRAIN_BATCHES * MAX_IMAGES_PER_FILE:
+        raise ValueError(f"n_train must be <= {TRAIN_BATCHES * MAX_IMAGES_PER_FILE} (five "
+                         f"files of at most {MAX_IMAGES_PER_FILE} images), got {n_train}")
     if n_test < 1:
         raise ValueError(f"n_test must be >= 1, got {n_test}")
+    if n_test > MAX_IMAGES_PER_FILE:
+        raise ValueError(f"n_test must be <= {MAX_IMAGES_PER_FILE} (one file), got {n_test}")
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
     if fmt not in ("python", "binary"):
@@ -642,7 +854,15 @@ def write_python100(out: str, train, test, fine_names, coarse_names, tar: bool =
 
 
 def _write_layout(out: str, lay: Layout, files: dict[str, bytes], tar: bool) -> str:
+    """Write the files of ``lay`` under ``out``; never over an existing file (a real CIFAR
+    copy or the cached official archive could sit there): DataError naming it instead."""
     directory = os.path.join(out, lay.top)
+    targets = [os.path.join(directory, name) for name in files]
+    targets += [os.path.join(out, lay.archive)] if tar else []
+    present = next((t for t in targets if os.path.lexists(t)), None)
+    if present is not None:
+        raise DataError(f"{present}: already exists; writing a dataset never replaces files "
+                        "(pick another --out)")
     try:
         os.makedirs(directory, exist_ok=True)
         for name, data in files.items():

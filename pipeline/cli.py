@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from pipeline.errors import DivergenceError, Interrupted, UsageError
@@ -49,7 +48,8 @@ def _run_inspect(args):
     given = {"image_size": args.image_size, "val_source": args.val_data,
              "val_fraction": args.val_fraction, "image_root": args.image_root}
     cfg = dataclasses.replace(DataConfig(), **{k: v for k, v in given.items() if v is not None})
-    print(json.dumps(inspect_dataset(args.data, download=args.download, cfg=cfg)))
+    from pipeline.rundir import dumps
+    print(dumps(inspect_dataset(args.data, download=args.download, cfg=cfg)))
 
 
 def _add_fetch(sub):
@@ -101,3 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: interrupted; a run stops cleanly at the next round boundary after one "
               "Ctrl-C (or SIGTERM), a second one stops it at once", file=sys.stderr)
         return getattr(exc, "exit_status", 130)
+    except MemoryError:  # never a traceback: what was asked does not fit in this machine
+        print("error: out of memory (the data, model or batch does not fit; nothing was saved "
+              "since the last checkpoint)", file=sys.stderr)
+        return 1

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-import socket
 import sys
 from pathlib import Path
 
@@ -101,6 +99,12 @@ _TRAIN_OPTIONS = [
     ("--tls-key", "cluster.tls_key", str, "PEM", "TLS: this client's private key", ""),
     ("--connect-timeout", "cluster.connect_timeout", float, "SECONDS", "how long to wait for the "
      "scheduler and its workers", "s"),
+    ("--stall-report", "cluster.stall_report", float, "X", "report a task running X times its "
+     "finished peers' median (and --stall-min-seconds)", "x"),
+    ("--stall-retire", "cluster.stall_retire", float, "X", "retire the worker of a task running X "
+     "times its peers' median, so its work is replayed elsewhere (0: never)", "x"),
+    ("--stall-min-seconds", "cluster.stall_min_s", float, "SECONDS", "a task may always run this "
+     "long before it is reported (4 x as long before its worker is retired)", "s"),
 ]
 _CLUSTER_FIELDS = {f for _, f, *_ in _TRAIN_OPTIONS if f.startswith("cluster.")}
 _RECIPE = "the strategy's recipe: for ipm with K > 1 and adam "
@@ -202,6 +206,9 @@ def add_subcommands(sub) -> None:
                    help="output directory (default: runs/demo)")
     d.add_argument("--epochs", metavar="E", type=float, default=3.0,
                    help="passes over the training set (default: 3 epochs)")
+    d.add_argument("--download", action="store_true",
+                   help="fetch CIFAR-10 (170 MB, MD5-checked) into the cache if it is missing; "
+                        "without it the demo makes no network connection")
     d.set_defaults(func=_run_demo)
 
 
@@ -209,14 +216,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     given = {k: v for k, v in vars(args).items() if "." in k or k in _TOP_LEVEL}
     given = {k: v for k, v in given.items() if v is not None}
     if args.resume:
-        saved = Path(args.resume) / "config.json"
-        try:
-            base = Config.from_dict(json.loads(saved.read_text()))
-        except OSError:
-            raise UsageError(f"cannot resume {args.resume}: no config.json there") from None
-        except (ValueError, TypeError) as exc:
-            raise UsageError(f"cannot resume {args.resume}: config.json is unreadable ({exc})") \
-                from None
+        base = saved_config(Path(args.resume))
         given["out"] = args.resume
     else:
         base = Config()
@@ -226,6 +226,23 @@ def config_from_args(args: argparse.Namespace) -> Config:
             given["train.replicas"] = 1
     given["progress"] = not args.no_progress
     return base.replace(**given)
+
+
+def saved_config(run: Path) -> Config:
+    """The config a run directory was written with, read as any input is (``rundir.read_config``:
+    a regular file, capped, every field checked). Where and how it runs (the cluster section:
+    scheduler, dashboard bind, TLS) is never taken from the directory; the command line or the
+    defaults give it."""
+    from pipeline import rundir
+    path = run / "config.json"
+    if not path.exists() and not path.is_symlink():
+        raise UsageError(f"cannot resume {run}: no config.json there")
+    try:
+        return rundir.read_config(run, cluster=False)
+    except UsageError as exc:
+        text = str(exc).replace(f"{path} is unreadable", "config.json is unreadable")
+        raise UsageError(f"cannot resume {run}: {text.replace(str(path), 'config.json')}") \
+            from None
 
 
 def _run_train(args) -> int:
@@ -273,6 +290,7 @@ def summary_line(result) -> str:
 
 def _run_evaluate(args) -> int:
     from pipeline.evaluation import evaluate_weights, load_model, run_config
+    from pipeline.rundir import dumps
     if args.run:
         if args.model or args.weights:
             raise UsageError("evaluate: give either --run OUT or --model with --weights")
@@ -286,8 +304,7 @@ def _run_evaluate(args) -> int:
         raise UsageError(f"evaluate needs --run OUT, or --model, --weights and --data "
                          f"(missing {', '.join(missing)})")
     data = _evaluate_data_config(args)
-    print(json.dumps(evaluate_weights(args.model, args.weights, args.data, tta=args.tta,
-                                      data=data)))
+    print(dumps(evaluate_weights(args.model, args.weights, args.data, tta=args.tta, data=data)))
     return 0
 
 
@@ -296,31 +313,26 @@ def _evaluate_data_config(args):
     what it says about the images, overridden by the options given."""
     import dataclasses
     from pipeline.config import DataConfig
+    from pipeline.rundir import read_json
     saved = Path(args.weights).parent / "config.json"
     base = DataConfig()
-    try:
-        section = json.loads(saved.read_text()).get("data", {})
+    try:  # read like any input: a regular file, capped, of the right types
+        section = read_json(saved).get("data", {})
         keep = {k: section[k] for k in ("image_size", "val_fraction", "split_seed", "max_pixels",
                                          "image_root", "val_source") if k in section}
         base = dataclasses.replace(base, **keep)
-    except (OSError, ValueError, TypeError, AttributeError):
-        pass  # no readable config.json: the defaults
+        base.validate()
+    except (UsageError, ValueError, TypeError, AttributeError, RecursionError):
+        base = DataConfig()  # no readable config.json: the defaults
     given = {"image_size": args.image_size, "val_source": args.val_data,
              "image_root": args.image_root}
     return dataclasses.replace(base, source=args.data,
                                **{k: v for k, v in given.items() if v is not None})
 
 
-def _network_allows(host: str = "www.cs.toronto.edu", port: int = 443) -> bool:
-    try:
-        socket.create_connection((host, port), timeout=3).close()
-        return True
-    except OSError:
-        return False
-
-
-def _demo_data(log) -> str:
-    """Real CIFAR-10 from the cache, downloaded if the network allows; else the synthetic set."""
+def _demo_data(log, download: bool) -> str:
+    """Real CIFAR-10 from the cache, fetched first with ``download``; else the synthetic set.
+    Without ``download`` nothing touches the network (as torchvision's ``download=False``)."""
     from pipeline import data
     from pipeline.config import DataConfig
     from pipeline.errors import DataError
@@ -328,13 +340,17 @@ def _demo_data(log) -> str:
         return data.resolve_source("cifar10", DataConfig())
     except DataError:
         pass
-    if _network_allows():
+    if download:
         try:
             return data.fetch("cifar10")
         except DataError as exc:  # a failed download is not fatal for the demo
             log(f"could not download CIFAR-10: {exc}")
-    log("notice: CIFAR-10 is not in the cache and cannot be downloaded here; "
-        "the demo trains on the synthetic set (5,000 train / 1,000 test images)")
+    else:
+        log("notice: CIFAR-10 is not in the cache; the demo trains on the synthetic set "
+            "(5,000 train / 1,000 test images). `python -m pipeline demo --download` fetches "
+            "CIFAR-10 (170 MB) first")
+        return "synthetic"
+    log("notice: the demo trains on the synthetic set (5,000 train / 1,000 test images)")
     return "synthetic"
 
 
@@ -347,14 +363,16 @@ def _run_demo(args) -> int:
     def log(message):
         print(message, file=sys.stderr, flush=True)
 
+    from pipeline import rundir
     out = Path(args.out)
-    source = _demo_data(log)
+    rundir.check(out, resume=False, overwrite=True)  # only ever replaces a run of ours
+    source = _demo_data(log, args.download)
     summary = inspect_dataset(source)
-    print(json.dumps(summary))
+    print(rundir.dumps(summary))
     ds = load_dataset(source)
     images = ds.train_images[:30].compute()
     labels = ds.train_labels[:30].compute()
-    out.mkdir(parents=True, exist_ok=True)
+    rundir.claim(out)
     image_grid(images, labels, ds.label_names).savefig(out / "images.png")
     augmentation_preview(images[:8], augment.get_policy("cifar"), seed=0).savefig(
         out / "augment.png")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import re
 from dataclasses import dataclass, field
 
@@ -14,9 +16,56 @@ OPT_STATE_MODES = ("auto", "keep", "reset", "average")
 LR_SCALINGS = ("auto", "none", "linear", "sqrt")
 
 
+MAX_EPOCHS = 100_000.0
+MAX_REPLICAS = 4096  # also what a checkpoint may hold (pipeline.checkpoint.MAX_REPLICAS)
+DAY_S = 86_400.0  # longest timeout: a day
+
+
 def _check(condition: bool, name: str, message: str, value) -> None:
     if not condition:
-        raise ValueError(f"{name} {message}, got {value!r}")
+        raise ValueError(f"{name} {message}, got {_short(value)}")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is(value, kind: str) -> bool:
+    if kind == "None":
+        return value is None
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "int":
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return isinstance(value, str)
+
+
+_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
+          "None": "null"}
+
+
+def _check_types(section, prefix: str) -> None:
+    """Every field of a section has its declared type (``int``, ``float | None``, ...) and every
+    number is finite: config.json on a resume is input like any other."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        kinds = [k.strip() for k in str(f.type).split("|")]
+        name = f"{prefix}{f.name}"
+        if not any(_is(value, kind) for kind in kinds):
+            raise ValueError(f"{name} must be {' or '.join(_WORDS[k] for k in kinds)}, "
+                             f"got {_short(value)}")
+        if isinstance(value, numbers.Real) and not isinstance(value, bool) \
+                and not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {_short(value)}")
+
+
+def _in(value, lo, hi, name: str, closed_lo: bool = True, closed_hi: bool = True) -> None:
+    ok = (lo <= value if closed_lo else lo < value) and (value <= hi if closed_hi else value < hi)
+    _check(ok, name, f"must be in {'[' if closed_lo else '('}{lo:g}, {hi:g}"
+                     f"{']' if closed_hi else ')'}", value)
 
 
 @dataclass(frozen=True)
@@ -39,6 +88,7 @@ class DataConfig:
     decode_chunk: int = 128  # images per scan- / decode- task
 
     def validate(self) -> None:
+        _check_types(self, "data.")
         _check(bool(self.source), "data.source", "must not be empty", self.source)
         _check(self.image_size is None or 16 <= self.image_size <= 1024, "data.image_size",
                "must be in [16, 1024] pixels", self.image_size)
@@ -63,8 +113,11 @@ class AugmentConfig:
     prefetch: int = 1  # rounds of augmentation computed ahead of training (memory: depth x shard)
 
     def validate(self) -> None:
+        _check_types(self, "augment.")
         _check(self.chunk >= 1, "augment.chunk", "must be >= 1", self.chunk)
         _check(self.prefetch >= 0, "augment.prefetch", "must be >= 0", self.prefetch)
+        _check(self.prefetch <= 100, "augment.prefetch", "must be <= 100 (rounds held ahead)",
+               self.prefetch)
 
 
 @dataclass(frozen=True)
@@ -73,7 +126,8 @@ class ModelConfig:
     n_classes: int = 10  # output units; taken from the data when it says otherwise
 
     def validate(self) -> None:
-        _check(self.n_classes >= 2, "model.n_classes", "must be >= 2", self.n_classes)
+        _check_types(self, "model.")
+        _in(self.n_classes, 2, 100_000, "model.n_classes")
 
 
 @dataclass(frozen=True)
@@ -100,13 +154,20 @@ class TrainConfig:
     tta: bool = False  # evaluate with test-time augmentation (flip + shifted crops)
 
     def validate(self) -> None:
+        _check_types(self, "train.")
         _check(self.strategy in STRATEGIES, "train.strategy", f"must be one of {STRATEGIES}",
                self.strategy)
         _check(self.replicas >= 1, "train.replicas", "must be >= 1", self.replicas)
+        _check(self.replicas <= MAX_REPLICAS, "train.replicas", f"must be <= {MAX_REPLICAS}",
+               self.replicas)
         _check(self.strategy != "single" or self.replicas == 1, "train.replicas",
                "must be 1 for strategy single", self.replicas)
         _check(self.epochs > 0, "train.epochs", "must be > 0", self.epochs)
+        _check(self.epochs <= MAX_EPOCHS, "train.epochs", f"must be <= {MAX_EPOCHS:g}",
+               self.epochs)
         _check(self.batch_size >= 1, "train.batch_size", "must be >= 1", self.batch_size)
+        _check(self.batch_size <= 1 << 20, "train.batch_size", "must be <= 1048576",
+               self.batch_size)
         _check(self.optimizer in OPTIMIZERS, "train.optimizer", f"must be one of {OPTIMIZERS}",
                self.optimizer)
         _check(self.lr > 0, "train.lr", "must be > 0", self.lr)
@@ -124,12 +185,12 @@ class TrainConfig:
         _check(self.device in DEVICES, "train.device", f"must be one of {DEVICES}", self.device)
 
 
-_MIX_RE = re.compile(r"^(\d+)(ep)?$")
+_MIX_RE = re.compile(r"^(\d{1,9})(ep)?$")  # nine digits: a billion steps is past any plan
 
 
 @dataclass(frozen=True)
 class AverageConfig:
-    mix_every: str = "10"  # ipm period H: "10" = 10 local steps, "1ep" = one epoch
+    mix_every: str | int = "10"  # ipm period H: "10" = 10 local steps, "1ep" = one epoch
     fan_in: int = 4  # children per average- task in the reduction tree (dask's split_every);
     #                  fewer levels move fewer float64 partial sums (benchmarks/averaging.py)
     outer_lr: float | None = None  # outer optimizer on the averaged update (DiLoCo); 1 = plain
@@ -143,14 +204,17 @@ class AverageConfig:
     #                                mix; auto: the strategy's recipe (keep unless it says)
 
     def validate(self) -> None:
+        _check_types(self, "average.")
         match = _MIX_RE.match(str(self.mix_every))
         _check(match is not None and int(match.group(1)) >= 1, "average.mix_every",
                "must be a positive step count like 10 or epochs like 1ep", self.mix_every)
         _check(self.fan_in >= 2, "average.fan_in", "must be >= 2", self.fan_in)
+        _check(self.fan_in <= 1024, "average.fan_in", "must be <= 1024", self.fan_in)
         _check(self.outer_lr is None or self.outer_lr > 0, "average.outer_lr", "must be > 0",
                self.outer_lr)
-        _check(self.outer_warmup_epochs is None or self.outer_warmup_epochs >= 0,
-               "average.outer_warmup_epochs", "must be >= 0", self.outer_warmup_epochs)
+        _check(self.outer_warmup_epochs is None or 0 <= self.outer_warmup_epochs <= MAX_EPOCHS,
+               "average.outer_warmup_epochs", f"must be in [0, {MAX_EPOCHS:g}]",
+               self.outer_warmup_epochs)
         _check(0 <= self.outer_momentum < 1, "average.outer_momentum", "must be in [0, 1)",
                self.outer_momentum)
         _check(self.optimizer_state in OPT_STATE_MODES, "average.optimizer_state",
@@ -176,6 +240,7 @@ class AsyncConfig:
     replay_updates: str | None = None  # an arrival run's updates.jsonl: apply in its order
 
     def validate(self) -> None:
+        _check_types(self, "asynchronous.")
         _check(self.order in ASYNC_ORDERS, "asynchronous.order", f"must be one of {ASYNC_ORDERS}",
                self.order)
         _check(self.max_staleness is None or self.max_staleness >= 0,
@@ -204,22 +269,32 @@ class ClusterConfig:
     #                                  share the device by time-slicing; benchmarks/gpu.py)
     gpu_threads: int = 1  # LocalCluster threads per GPU worker (concurrent train- tasks in one
     #                       process and CUDA context)
+    # The stalled-task watchdog (pipeline.watchdog): a task running stall_report x its peers'
+    # median is reported, past stall_retire x the median its worker is retired so the work is
+    # replayed elsewhere; neither before it has run stall_min_s seconds. 0 turns retiring off.
+    stall_report: float = 5.0  # multiple of the peers' median task time
+    stall_retire: float = 20.0  # multiple of the peers' median task time; 0 = never retire
+    stall_min_s: float = 60.0  # seconds a task may always run, whatever its peers take
 
     def validate(self) -> None:
-        _check(self.workers is None or self.workers >= 1, "cluster.workers", "must be >= 1",
-               self.workers)
-        _check(self.threads_per_worker >= 1, "cluster.threads_per_worker", "must be >= 1",
-               self.threads_per_worker)
+        _check_types(self, "cluster.")
+        _check(self.workers is None or 1 <= self.workers <= 1024, "cluster.workers",
+               "must be in [1, 1024]", self.workers)
+        _check(1 <= self.threads_per_worker <= 1024, "cluster.threads_per_worker",
+               "must be in [1, 1024]", self.threads_per_worker)
         tls = (self.tls_ca_file, self.tls_cert, self.tls_key)
         _check(all(tls) or not any(tls), "cluster.tls", "needs all of ca file, cert and key", tls)
-        _check(self.connect_timeout > 0, "cluster.connect_timeout", "must be > 0",
-               self.connect_timeout)
-        _check(self.resource_timeout >= 0, "cluster.resource_timeout", "must be >= 0",
-               self.resource_timeout)
+        _in(self.connect_timeout, 0, DAY_S, "cluster.connect_timeout", closed_lo=False)
+        _in(self.resource_timeout, 0, DAY_S, "cluster.resource_timeout")
         _check(1 <= self.gpu_workers_per_device <= 64, "cluster.gpu_workers_per_device",
                "must be in [1, 64]", self.gpu_workers_per_device)
         _check(1 <= self.gpu_threads <= 64, "cluster.gpu_threads", "must be in [1, 64]",
                self.gpu_threads)
+        _in(self.stall_report, 1, 1e6, "cluster.stall_report")
+        _check(self.stall_retire == 0 or self.stall_report <= self.stall_retire <= 1e6,
+               "cluster.stall_retire", "must be 0 (never) or in [cluster.stall_report, 1e6]",
+               self.stall_retire)
+        _in(self.stall_min_s, 0, DAY_S, "cluster.stall_min_s")
 
 
 @dataclass(frozen=True)
@@ -240,10 +315,19 @@ class Config:
     csv: bool = False  # also write the metrics as OUT/metrics.csv (one row per round)
 
     def validate(self) -> "Config":
-        for section in (self.data, self.augment, self.model, self.train, self.average,
-                        self.asynchronous, self.cluster):
-            section.validate()
+        for name in _SECTIONS:
+            _check(isinstance(getattr(self, name), _SECTIONS[name]), name,
+                   "must be a section (a JSON object)", getattr(self, name))
+        for name in _SECTIONS:
+            getattr(self, name).validate()
+        for f in dataclasses.fields(self):
+            if f.name not in _SECTIONS:
+                kinds = [k.strip() for k in str(f.type).split("|")]
+                _check(any(_is(getattr(self, f.name), k) for k in kinds), f.name,
+                       f"must be {' or '.join(_WORDS[k] for k in kinds)}", getattr(self, f.name))
         _check(self.seed >= 0, "seed", "must be >= 0", self.seed)
+        _check(self.out is None or self.out != "", "out",
+               "must be a directory path (or None for no outputs)", self.out)
         _check(self.eval_every >= 0, "eval_every", "must be >= 0", self.eval_every)
         _check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0", self.checkpoint_every)
         return self
@@ -269,20 +353,33 @@ class Config:
         return dataclasses.asdict(self)
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True, allow_nan=False)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
-        sections = {f.name: f.type for f in dataclasses.fields(cls)}
+        """A config from its ``to_dict`` form (config.json); ValueError naming the first field
+        that is unknown, missing its section or of the wrong type. Validated."""
+        if not isinstance(d, dict):
+            raise ValueError(f"config must be a JSON object, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {}
         for name, value in d.items():
-            if name not in sections:
-                raise ValueError(f"config has unknown field {name!r}")
-            if isinstance(value, dict):
-                section_cls = {"data": DataConfig, "augment": AugmentConfig, "model": ModelConfig,
-                               "train": TrainConfig, "average": AverageConfig,
-                               "asynchronous": AsyncConfig, "cluster": ClusterConfig}[name]
-                kwargs[name] = section_cls(**value)
+            if name not in names:
+                raise ValueError(f"config has unknown field {str(name)[:60]!r}")
+            if name in _SECTIONS:
+                if not isinstance(value, dict):
+                    raise ValueError(f"{name} must be a section (a JSON object), got "
+                                     f"{_short(value)}")
+                known = {f.name for f in dataclasses.fields(_SECTIONS[name])}
+                unknown = [k for k in value if k not in known]
+                if unknown:
+                    raise ValueError(f"config has unknown field {name}.{str(unknown[0])[:60]}")
+                kwargs[name] = _SECTIONS[name](**value)
             else:
                 kwargs[name] = value
-        return cls(**kwargs)
+        return cls(**kwargs).validate()
+
+
+_SECTIONS = {"data": DataConfig, "augment": AugmentConfig, "model": ModelConfig,
+             "train": TrainConfig, "average": AverageConfig, "asynchronous": AsyncConfig,
+             "cluster": ClusterConfig}

@@ -46,6 +46,9 @@ DATASET_NAMES = {"cifar10": ("cifar10", "python"), "cifar10-binary": ("cifar10",
 CACHE_ENV = "DASK_CHAINER_CACHE"  # overrides the default cache directory
 SYNTHETIC_SIZES = (5000, 1000)  # train, test images of --data synthetic
 SYNTHETIC_SEED = 0  # data seed of the on-the-fly synthetic sources (same as `synth --seed 0`)
+# The most synthetic:N:M draws: what write_synthetic can write in the official layout (5 training
+# files and a test file, each at most cifar.MAX_IMAGES_PER_FILE images); 920 MB of training pixels.
+MAX_SYNTHETIC = (cifar.TRAIN_BATCHES * cifar.MAX_IMAGES_PER_FILE, cifar.MAX_IMAGES_PER_FILE)
 
 
 class Dataset(NamedTuple):
@@ -127,10 +130,17 @@ def parse_synthetic(source: str) -> tuple[int, int] | None:
     if not source.startswith("synthetic:"):
         return None
     match = re.fullmatch(r"synthetic:(\d+):(\d+)", source)
-    if not match or int(match.group(1)) < 1 or int(match.group(2)) < 1:
-        raise DataError(f"data source {source!r} must be synthetic or synthetic:N:M with "
+    # int() refuses strings of over 4,300 digits: anything past 12 digits is "too many" anyway
+    n, m = (min(int(g.lstrip("0")[:13] or 0), 10 ** 12) for g in match.groups()) if match \
+        else (0, 0)
+    if n < 1 or m < 1:
+        raise DataError(f"data source {source[:60]!r} must be synthetic or synthetic:N:M with "
                         "N, M >= 1 (train and test images)")
-    return int(match.group(1)), int(match.group(2))
+    if n > MAX_SYNTHETIC[0] or m > MAX_SYNTHETIC[1]:
+        raise DataError(f"data source {source[:60]!r} asks for more images than a CIFAR set of files "
+                        f"holds (at most synthetic:{MAX_SYNTHETIC[0]}:{MAX_SYNTHETIC[1]}: five "
+                        f"training files and one test file of {cifar.MAX_IMAGES_PER_FILE})")
+    return n, m
 
 
 def _plan(source: str, cfg: DataConfig, download: bool, client=None) -> Plan:

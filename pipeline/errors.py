@@ -52,3 +52,8 @@ def one_line(exc: BaseException, *, kind: bool = True, limit: int | None = None)
     elif kind:
         text = f"{type(exc).__name__}: {text}"
     return text[:limit] if limit else text
+
+
+class OutputError(UsageError):
+    """The output directory cannot be written (disk full, permissions, a file where a directory
+    belongs). Not lost cluster work: the driver never replays for it."""

@@ -2,32 +2,31 @@
 test chunk (local threads)."""
 from __future__ import annotations
 
-import json
 import uuid
 from pathlib import Path
 
 import dask
 
-from pipeline import tasks
-from pipeline.compat import serializers
+from pipeline import npz, tasks
 from pipeline.errors import DataError, UsageError
 from pipeline.models import build_model, check_model_name
-from pipeline.state import get_state
+from pipeline.state import get_state, load_npz
 
 
 def load_weights(model_name: str, weights: str, n_classes: int):
-    """A registry model with the weights of ``weights`` (a Chainer npz); UsageError if they do not fit."""
+    """A registry model with the weights of ``weights`` (a ``model.npz``).
+
+    Read with our own ``.npz`` reader (``pipeline.npz``: no pickles, sizes checked first), never
+    Chainer's ``load_npz``, which unpickles. DataError for a file that is not a readable
+    ``.npz``; UsageError when its arrays are not the model's.
+    """
     check_model_name(model_name)
     model = build_model(model_name, n_classes)
     try:
-        serializers.load_npz(weights, model)
-    except FileNotFoundError:
-        raise DataError(f"weights file {weights} does not exist") from None
-    except IsADirectoryError:
-        raise DataError(f"weights {weights} is a directory, not a model.npz file") from None
-    except (KeyError, ValueError, OSError) as exc:
-        raise UsageError(f"weights {weights} do not fit model {model_name}: {exc}") from None
-    return model
+        return load_npz(model, weights)
+    except npz.Mismatch as exc:
+        raise UsageError(f"weights {weights} do not fit model {model_name} ({n_classes} "
+                         f"classes): {exc.reason}") from None
 
 
 def evaluate_weights(model_name: str, weights: str, source: str, tta: bool = False,
@@ -51,24 +50,19 @@ def evaluate_weights(model_name: str, weights: str, source: str, tta: bool = Fal
 
 
 def run_config(out: str | Path):
-    """The :class:`~pipeline.config.Config` of run directory ``out`` (its config.json)."""
-    from pipeline.config import Config
-    path = Path(out) / "config.json"
-    try:
-        return Config.from_dict(json.loads(path.read_text()))
-    except FileNotFoundError:
-        raise DataError(f"{out} is not a run directory: it has no config.json") from None
-    except OSError as exc:
-        raise DataError(f"cannot read {path}: {exc.strerror}") from None
-    except (ValueError, TypeError) as exc:
-        raise DataError(f"{path} is unreadable ({exc})") from None
+    """The :class:`~pipeline.config.Config` of run directory ``out`` (its config.json, read as
+    any input is: ``rundir.read_config``)."""
+    from pipeline.rundir import read_config
+    return read_config(Path(out), DataError)
 
 
 def _n_classes(out: Path, config) -> int:
     """Classes of the trained model: summary.json says (the data decides), else the config."""
+    from pipeline.rundir import read_json
     try:
-        return int(json.loads((out / "summary.json").read_text())["n_classes"])
-    except (OSError, ValueError, KeyError, TypeError):
+        n = read_json(out / "summary.json", DataError)["n_classes"]
+        return n if type(n) is int and 2 <= n <= 100_000 else config.model.n_classes
+    except (DataError, KeyError, TypeError):
         return config.model.n_classes
 
 

@@ -85,8 +85,9 @@ class RoundGraph:
 
     def __init__(self, client: distributed.Client, data: Persisted, config, *, n_classes: int,
                  device: str, train_resources: dict | None, augment_resources: dict | None,
-                 token: str | None = None, payload_bytes: int = 0):
+                 token: str | None = None, payload_bytes: int = 0, watchdog=None):
         self.client, self.data, self.config = client, data, config
+        self.watchdog = watchdog  # pipeline.watchdog.Watchdog: looks at the tasks while we wait
         self.n_classes, self.device = n_classes, device
         self.train_resources, self.augment_resources = train_resources, augment_resources
         self.token = token or keys.new_token()
@@ -99,7 +100,7 @@ class RoundGraph:
         return RoundGraph(self.client, self.data, self.config, n_classes=self.n_classes,
                           device=self.device, train_resources=self.train_resources,
                           augment_resources=self.augment_resources,
-                          payload_bytes=self.payload_bytes)
+                          payload_bytes=self.payload_bytes, watchdog=self.watchdog)
 
     def _pinned(self, replica: int) -> dict:
         """``submit`` arguments that keep replica k on worker k mod W (workers sorted by name),
@@ -199,15 +200,21 @@ class RoundGraph:
         return self.client.scatter([value], hash=False)[0]
 
     def gather(self, futures):
-        """Host values of (nested lists of) futures: the driver's one way to wait."""
+        """Host values of (nested lists of) futures: the driver's one way to wait. While it
+        waits, the stalled-task watchdog looks at this attempt's tasks."""
+        if self.watchdog is not None:
+            self.watchdog.wait(distributed.futures_of(futures), f"-{self.token}")
         return self.client.gather(futures)
 
     def first_done(self, futures: list) -> list:
         """The futures of ``futures`` that are done, waiting until at least one is (in the
         order given). What asynchronous strategies react to."""
         from distributed.client import FIRST_COMPLETED, _wait
-        self.client.sync(_wait, futures, return_when=FIRST_COMPLETED)  # wait() needs a default
-        return [f for f in futures if f.done()]                       # client; this one may not
+        if self.watchdog is not None:
+            self.watchdog.wait(futures, f"-{self.token}", first=True)
+        else:  # wait() needs a default client; this one may not be
+            self.client.sync(_wait, futures, return_when=FIRST_COMPLETED)
+        return [f for f in futures if f.done()]
 
 
 def futures_of(values) -> list:

@@ -20,6 +20,7 @@ import contextlib
 import html
 import io
 import logging
+import math
 import sys
 import uuid
 import weakref
@@ -36,6 +37,9 @@ PAGE = "training"  # dashboard page path, under the dashboard's prefix
 REFRESH_MS = 500  # how often the /training page reads the event log
 _SCALARS = ("round", "rounds", "epoch", "epoch_float", "step", "train_loss", "train_acc",
             "test_loss", "test_acc", "lr", "images", "seconds", "bytes_averaged")
+_INTS = ("round", "rounds", "epoch", "step", "images", "bytes_averaged")
+MAX_RUN_LABEL = 80  # characters of a run label shown or published
+MAX_STAGES = 32  # stage_seconds entries kept from an event
 
 OnRound = Callable[[dict], None]
 
@@ -118,7 +122,7 @@ def event_of(line: dict, run: str, rounds: int | None = None) -> dict:
     """
     if rounds is not None:
         line = {**line, "rounds": int(rounds)}
-    event = {"action": ACTION, "run": str(run)}
+    event = {"action": ACTION, "run": str(run)[:MAX_RUN_LABEL]}
     for key in _SCALARS:
         if key in line:
             value = line[key]
@@ -167,6 +171,49 @@ def progress_of(rows: Sequence[dict]) -> dict:
             stages[stage] = stages.get(stage, 0.0) + float(seconds)
     return {"done": done, "rounds": total, "seconds": last.get("seconds", 0.0), "eta": eta,
             "stages": stages}
+
+
+def clean_event(msg) -> dict | None:
+    """A published event as the page may use it, or None if it is not a well-formed round.
+
+    Any client or task can publish on the topic, so nothing is trusted: the run label becomes
+    a string of at most ``MAX_RUN_LABEL`` characters, the metrics finite numbers (ints where
+    they count), ``stage_seconds`` a small dict of names to finite seconds; everything else is
+    dropped. The page escapes what it shows as well.
+
+    >>> clean_event({"run": "<b>x</b>", "round": 2, "epoch_float": 0.5, "train_loss": 2.3,
+    ...              "train_acc": 0.1, "note": "<script>"})
+    {'run': '<b>x</b>', 'round': 2, 'epoch_float': 0.5, 'train_loss': 2.3, 'train_acc': 0.1}
+    >>> clean_event({"run": "r", "round": "2"}) is None
+    True
+    """
+    if not isinstance(msg, dict):
+        return None
+    out = {"run": str(msg.get("run"))[:MAX_RUN_LABEL]}
+    for key in _SCALARS:
+        if key not in msg:
+            continue
+        value = msg[key]
+        if not _finite_number(value):
+            return None
+        out[key] = int(value) if key in _INTS and float(value).is_integer() else float(value)
+    if not all(k in out for k in ("round", "epoch_float", "train_loss", "train_acc")):
+        return None
+    if ("test_acc" in out) != ("test_loss" in out) or not isinstance(out["round"], int) \
+            or not isinstance(out.get("rounds", 0), int):
+        return None
+    stages = msg.get("stage_seconds")
+    if stages is not None:
+        if not isinstance(stages, dict) or len(stages) > MAX_STAGES or \
+                not all(_finite_number(v) for v in stages.values()):
+            return None
+        out["stage_seconds"] = {str(k)[:40]: float(v) for k, v in stages.items()}
+    return out
+
+
+def _finite_number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and \
+        math.isfinite(value)
 
 
 def status_html(run: str, rows: Sequence[dict]) -> str:
@@ -471,19 +518,27 @@ class TrainingPage:
 
     def update(self) -> None:
         events = self.scheduler.get_events(TOPIC)
-        seen = (len(events), events[-1][0] if events else None)
+        seen = (len(events), repr(events[-1])[:200] if events else None)
         if seen == self.seen:
             return
         self.seen = seen
         if not events:
             return
-        run = events[-1][1].get("run")
-        rows = [msg for _, msg in events if isinstance(msg, dict) and msg.get("run") == run]
+        rows = [row for row in (clean_event(msg) for _, msg in _pairs(events)) if row]
+        if not rows:
+            return
+        run = rows[-1]["run"]
+        rows = [row for row in rows if row["run"] == run]
         train, test = split_series(rows)
         tested = [r for r in rows if "test_acc" in r]
         self.train.data = {"epoch": train["epoch"], "train_loss": train["loss"],
                            "train_acc": train["acc"], "round": [r["round"] for r in rows]}
         self.test.data = {"epoch": test["epoch"], "test_loss": test["loss"],
                           "test_acc": test["acc"], "round": [r["round"] for r in tested]}
-        self.div.text = status_html(run, rows)
+        self.div.text = status_html(run, rows)  # HTML: everything from an event is escaped
+
+
+def _pairs(events) -> list:
+    """The (time, msg) pairs of an event log, skipping anything not shaped so."""
+    return [e for e in events if isinstance(e, (tuple, list)) and len(e) == 2]
 

@@ -1,14 +1,15 @@
 """A run's output directory: metrics.jsonl, model.npz, curves.png, config.json, summary.json,
 checkpoints; checked before a run starts, created once it is under way, checked again on resume.
+
+Whose the directory is and what may be replaced (the marker, an overwrite set aside until the new
+run has a checkpoint) are ``pipeline.rundir``'s file-system rules; this module applies them.
 """
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from pathlib import Path
 
-from pipeline import checkpoint, resume as resuming
+from pipeline import checkpoint, resume as resuming, rundir
 from pipeline.checkpoint import HostState
 from pipeline.errors import UsageError
 
@@ -25,8 +26,9 @@ def prepare(out: str | None, resume: bool, overwrite: bool) -> Path | None:
             raise UsageError("resume needs an output directory (--out)")
         return None
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"output directory {out} exists and is not a directory")
+    if out.is_dir() and rundir.is_ours(out):
+        rundir.settle(out)  # first: an overwrite that a killed process left half done
+    rundir.check(out, resume, overwrite)  # a new or empty directory, or one marked ours
     if not resume and out.is_dir() and (out / "metrics.jsonl").exists() and not overwrite:
         if not resuming.has_checkpoint(out) and not resuming.finished(out):
             raise UsageError(f"{out} holds a run that stopped before its first checkpoint: start "
@@ -64,16 +66,9 @@ class RunDir:
         write config.json; after a resume, drop metrics past the checkpoint and temporaries."""
         if self.path is None:
             return
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UsageError(f"cannot create output directory {self.path}: {exc.strerror}") \
-                from None
-        if not resume and overwrite:
-            for name in RUN_FILES + self.extra_files:
-                (self.path / name).unlink(missing_ok=True)
-            for name in RUN_DIRS:
-                shutil.rmtree(self.path / name, ignore_errors=True)
+        rundir.claim(self.path)  # created and marked ours
+        if not resume and overwrite:  # set aside until the new run's first checkpoint
+            rundir.set_aside(self.path, RUN_FILES + RUN_DIRS + self.extra_files)
         checkpoint.write_atomic(self.path / "config.json", self.config.to_json())
         if resume:
             for name in checkpoint.remove_temporaries(self.path):  # a killed driver's half-writes
@@ -83,9 +78,7 @@ class RunDir:
         """Append JSON lines to ``name`` (one write per whole line)."""
         if self.path is None or not lines:
             return
-        with open(self.path / name, "a") as f:
-            for line in lines:
-                f.write(json.dumps(line) + "\n")
+        rundir.append_lines(self.path / name, lines)
 
     def truncate(self, name: str, keep) -> list[dict]:
         """Keep the lines of ``name`` for which ``keep(line)`` holds, up to a torn last line;
@@ -93,19 +86,13 @@ class RunDir:
         path = self.path / name
         if not path.exists():
             return []
-        kept = []
-        for text in path.read_text().splitlines():
-            try:
-                line = json.loads(text)
-            except ValueError:
-                break  # a torn last line from a killed driver
-            if keep(line):
-                kept.append(line)
-        checkpoint.write_atomic(path, "".join(json.dumps(x) + "\n" for x in kept))
+        kept = rundir.read_lines(path, keep, self.log)  # a torn or garbled line is skipped
+        checkpoint.write_atomic(path, "".join(rundir.dumps(x) + "\n" for x in kept))
         return kept
 
     def save_checkpoint(self, state: HostState, model_params: dict) -> None:
         checkpoint.save(self.path, state, model_params, comparable(self.config))
+        rundir.commit(self.path)  # the new run has a checkpoint: an overwritten run may go
 
     def has_checkpoints(self) -> bool:
         return self.path is not None and (self.path / "checkpoints").is_dir()
@@ -114,11 +101,12 @@ class RunDir:
         """model.npz (Chainer's own format), curves.png and summary.json of a finished run."""
         if self.path is None:
             return
-        from pipeline.compat import serializers
+        from pipeline import npz
         from pipeline.plots import save_curves
-        tmp = self.path / ".model.npz.tmp.npz"
-        serializers.save_npz(str(tmp), model)
-        tmp.replace(self.path / "model.npz")
+        from pipeline.state import get_state
+        # what chainer's save_npz writes (compressed), in one atomic write (OutputError if full)
+        checkpoint.write_atomic(self.path / "model.npz",
+                                npz.to_bytes(get_state(model), compress=True))
         save_curves(history, self.path / "curves.png", **labels)
         last = history[-1] if history else {}
         summary = dict(status="done", rounds=rounds, epochs=self.config.train.epochs,
@@ -126,4 +114,4 @@ class RunDir:
                        test_acc=last.get("test_acc"), test_loss=last.get("test_loss"),
                        model=self.config.model.name, n_classes=labels.get("n_classes"),
                        dataset=labels.get("dataset"))
-        checkpoint.write_atomic(self.path / "summary.json", json.dumps(summary, indent=1))
+        checkpoint.write_atomic(self.path / "summary.json", rundir.dumps(summary, indent=1))

@@ -1,6 +1,7 @@
 """Training curves of a finished run: loss and accuracy against epochs, accuracy against wall time."""
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 
@@ -51,9 +52,12 @@ def curves_figure(history: list[dict], title: str = "", dataset: str | None = No
 
 def save_curves(history: list[dict], path: str | Path, title: str = "",
                 dataset: str | None = None, n_classes: int | None = None) -> Path:
-    """Write the figure under a temporary name and rename it: a reader never sees half a PNG."""
+    """Write the figure under a temporary name and rename it: a reader never sees half a PNG
+    (``checkpoint.write_atomic``: OutputError naming the path, no temporary left, on a full
+    disk)."""
+    from pipeline.checkpoint import write_atomic
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    curves_figure(history, title, dataset, n_classes).savefig(tmp, dpi=100)
-    tmp.replace(path)
+    buf = io.BytesIO()
+    curves_figure(history, title, dataset, n_classes).savefig(buf, format="png", dpi=100)
+    write_atomic(path, buf.getvalue())
     return path

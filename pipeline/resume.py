@@ -6,19 +6,20 @@ cluster starts or data is sent anywhere.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 from pipeline import checkpoint
 from pipeline.checkpoint import HostState
 from pipeline.errors import ResumeError
+from pipeline.rundir import checkpoint_dirs, read_json
 
 # Top-level config fields that may differ between a run and its resume: where and how it runs and
 # what it writes beside the metrics, never what it computes.
 RESUMABLE = frozenset({"cluster", "out", "progress", "tensorboard", "csv"})
-# Fields a resume may change to train a run longer: ``--resume OUT --epochs N``.
-EXTENDABLE = frozenset({("train", "epochs")})
+# Fields a resume may change to train a run longer: ``--resume OUT --epochs N``; and fields the
+# data decides (the class count: data.* is compared, and config.json records what the data said).
+EXTENDABLE = frozenset({("train", "epochs"), ("model", "n_classes")})
 
 
 class Resume(NamedTuple):
@@ -58,14 +59,15 @@ def check_same_run(saved: dict, now: dict, out: Path) -> None:
 
 
 def has_checkpoint(out: Path) -> bool:
-    return any((Path(out) / "checkpoints").glob("round-*"))
+    """Whether ``out/checkpoints`` holds a checkpoint directory of ours (``round-NNNNNN``)."""
+    return bool(checkpoint_dirs(Path(out) / "checkpoints"))
 
 
 def finished(out: Path) -> bool:
     """Whether ``out`` holds the outputs of a run that ran to its end."""
     try:
-        return json.loads((Path(out) / "summary.json").read_text()).get("status", "done") == "done"
-    except (OSError, ValueError, AttributeError):
+        return read_json(Path(out) / "summary.json", ResumeError).get("status", "done") == "done"
+    except (ResumeError, AttributeError):
         return (Path(out) / "model.npz").exists()
 
 

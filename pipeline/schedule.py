@@ -44,6 +44,19 @@ def steps_per_epoch(n_train: int, replicas: int, batch_size: int) -> int:
 MIXES = ("every", "last", "never")
 
 
+MAX_ROUNDS = 1_000_000  # the plan is a list in the driver (~1 s and 200 MB at this size)
+
+
+def count_rounds(total_steps: int, per_epoch: int, period: int) -> int:
+    """Rounds of a plan without building it: rounds never straddle epochs.
+
+    >>> count_rounds(19, 19, 8), count_rounds(10 ** 15, 19, 8)
+    (3, 157894736842105)
+    """
+    full, rest = divmod(total_steps, per_epoch)
+    return full * -(-per_epoch // period) + -(-rest // period)
+
+
 def plan_rounds(n_train: int, replicas: int, batch_size: int, epochs: float, period: int,
                 mix: str = "every") -> list[Round]:
     """All rounds of a run: ``period`` local steps each (fewer at an epoch's end); ``mix`` says
@@ -75,6 +88,12 @@ def continue_plan(done: list[Round], n_train: int, replicas: int, batch_size: in
         raise ValueError(f"mix must be one of {MIXES}, got {mix!r}")
     per_epoch = steps_per_epoch(n_train, replicas, batch_size)
     total = max(1, int(round(epochs * per_epoch)))
+    # the plan is bounded before it is built (an upper bound when resumed rounds come first)
+    count = len(done) + count_rounds(total, per_epoch, period)
+    if count > MAX_ROUNDS:
+        raise UsageError(f"train.epochs {epochs:g} makes {count} rounds of up to {period} step(s); "
+                         f"a run is limited to {MAX_ROUNDS} rounds (fewer epochs, or a longer "
+                         "--mix-every)")
     rounds = list(done)
     global_step = done[-1].global_step + done[-1].steps if done else 0
     while global_step < total:

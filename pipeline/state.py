@@ -112,17 +112,47 @@ def get_state(link: chainer.Link, extra: dict | None = None) -> State:
     return _to_host({**ser.target, **(extra or {})})
 
 
+class _PrivateDeserializer(serializers.NpzDeserializer):
+    """Chainer's deserializer, but never handing out the caller's arrays.
+
+    Chainer's adopts an array wherever its target is still None (an optimizer's lazily created
+    slots, an uninitialized parameter) and the optimizer then updates it in place: a task would
+    change its own inputs (and fail on read-only ones). Where a target exists it copies into it
+    anyway, so only the adopted arrays are copied here.
+    """
+
+    def __getitem__(self, key):
+        return _PrivateDeserializer(self.npz, self.path + key.strip("/") + "/",
+                                    strict=self.strict, ignore_names=self.ignore_names)
+
+    def __call__(self, key, value):
+        out = super().__call__(key, value)
+        return np.array(out, copy=True) if value is None and isinstance(out, np.ndarray) else out
+
+
 def set_state(link: chainer.Link, state: State) -> chainer.Link:
     """Copy ``state`` into ``link`` in place (on the link's device); every key must be present.
 
     On a GPU the state goes up in one transfer per dtype, then device-to-device into the Link.
+    ``state`` itself is never written to or adopted.
     """
     sample = _device_sample(link)
     if sample is None:
-        serializers.NpzDeserializer(state, strict=True).load(link)
+        _PrivateDeserializer(state, strict=True).load(link)
     else:
         _DeviceDeserializer(_upload(state, sample), strict=True).load(link)
     return link
+
+
+def load_npz(link: chainer.Link, path: str) -> chainer.Link:
+    """Load the weights file ``path`` (a ``model.npz``) into ``link`` with our own reader.
+
+    Never unpickles (Chainer's ``serializers.load_npz`` would): names, shapes and dtypes must be
+    exactly the link's, checked before any data is read. Raises ``npz.Mismatch`` when they are
+    not, ``DataError`` when the file is not a readable ``.npz``.
+    """
+    from pipeline import npz
+    return set_state(link, npz.read(path, npz.specs_of(get_state(link))))
 
 
 def get_optimizer_state(optimizer: chainer.Optimizer) -> State:
@@ -133,12 +163,10 @@ def get_optimizer_state(optimizer: chainer.Optimizer) -> State:
 
 
 def set_optimizer_state(optimizer: chainer.Optimizer, state: State) -> None:
+    """Load ``state`` into ``optimizer`` (after ``setup``); ``state`` itself is never adopted."""
     sample = _device_sample(optimizer.target)
-    if sample is None:  # copies: a fresh optimizer adopts the arrays it is given as its slots
-        #                 and updates them in place, which would change the task's input (the
-        #                 value of a future other tasks and checkpoints read, in-process)
-        serializers.NpzDeserializer({k: np.array(v, copy=True) for k, v in state.items()},
-                                    strict=True).load(optimizer)
+    if sample is None:
+        _PrivateDeserializer(state, strict=True).load(optimizer)
     else:  # fresh device views: slots the optimizer adopts are its own, never the task's input
         _DeviceDeserializer(_upload(state, sample), strict=True).load(optimizer)
 

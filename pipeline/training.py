@@ -10,14 +10,13 @@ pure decision (``pipeline.recovery``); stage timing is ``pipeline.telemetry``; t
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 import augment as aug
-from pipeline import averaging, outputs, recovery, resume as resuming, strategies
+from pipeline import averaging, checkpoint, outputs, recovery, resume as resuming, rundir, strategies
 from pipeline.checkpoint import HostState
 from pipeline.config import Config
 from pipeline.errors import (ClusterError, DivergenceError, Interrupted, ResumeError, UsageError,
@@ -79,10 +78,18 @@ def train(config: Config, client=None, *, resume: bool = False, overwrite: bool 
             prep = _prepare(config, out, _load_dataset(config, client), found)
             if prep.complete:
                 return _already_complete(config, out, prep, log)
+        # config.json says what was trained: the data's class count (100 for CIFAR-100)
+        config = config.replace(**{"model.n_classes": prep.dataset.n_classes})
         files = strategies.get(config.train.strategy).files
         run = _Run(client, config, outputs.RunDir(out, config, log, files), log, on_round,
                    prep=prep, stop=stop, hooks=list(hooks) + _config_hooks(config, out))
-        return run.run(resume, overwrite)
+        try:
+            return run.run(resume, overwrite)
+        except BaseException:
+            if out is not None and rundir.restore(out):  # an overwrite with no checkpoint yet
+                log(f"the new run failed before its first checkpoint; the run it was to replace "
+                    f"is back in {out}")
+            raise
 
 
 class _Prepared(NamedTuple):
@@ -143,6 +150,8 @@ def _prepare(config: Config, out, dataset, found: "resuming.Resume | None") -> _
             before = config.replace(**{"train.epochs": found.saved["train"]["epochs"]})
             done = strategy.plan(before, n_train)[0][:state.round + 1]
     rounds, per_epoch, period = strategy.plan(config, n_train, done)
+    if state is not None:
+        _check_resumed(config, out, state, dataset.n_classes)
     if state is not None and len(done) == len(rounds):
         trained = (done[-1].global_step + done[-1].steps) / per_epoch
         if trained > config.train.epochs + 1e-9:
@@ -163,15 +172,29 @@ def _already_complete(config: Config, out, prep: _Prepared, log) -> TrainOutput:
 
 
 def _read_metrics(out) -> list:
-    """The whole lines of ``OUT/metrics.jsonl`` (a torn last line is dropped)."""
-    lines = []
+    """The readable lines of ``OUT/metrics.jsonl`` (a torn or garbled line is skipped)."""
     path = Path(out) / "metrics.jsonl"
-    for text in path.read_text().splitlines() if path.exists() else ():
-        try:
-            lines.append(json.loads(text))
-        except ValueError:
-            break
-    return lines
+    return rundir.read_metrics(path, last_round=1 << 62) if path.exists() else []
+
+
+def _check_resumed(config: Config, out, state: HostState, n_classes: int) -> None:
+    """The checkpoint's arrays fit the model (names, shapes, dtypes) before anything is sent."""
+    if len(state.params) < config.train.replicas or len(state.opts) != len(state.params):
+        raise ResumeError(f"checkpoint of round {state.round} in {out} holds "
+                          f"{len(state.params)} parameter set(s), the run has "
+                          f"{config.train.replicas} replica(s)")
+    template = _initial_params(config, n_classes)
+    checkpoint.check_state(state, template, f"round {state.round} in {out}")
+
+
+def _check_finite(state: HostState, rnd) -> None:
+    """DivergenceError if the gathered state (after the average and the outer step, which no
+    train task has seen yet) holds NaN or Inf: checked before it is saved or returned."""
+    where = checkpoint.first_nonfinite(state)
+    if where is not None:
+        raise DivergenceError(f"training diverged in round {rnd.index} (epoch {rnd.epoch}): "
+                              f"the averaged state's {where} is NaN or Inf (not saved; the last "
+                              "good checkpoint stays the latest)")
 
 
 def _config_hooks(config: Config, out) -> list:
@@ -226,10 +249,13 @@ class _Run:
         if data.note:
             self.log(data.note)
         self.initial = _initial_params(cfg, dataset.n_classes)
+        from pipeline.watchdog import Watchdog
+        self.watchdog = Watchdog(self.client, cfg.cluster, self.log)  # looks while we wait
         self.graph = graph.RoundGraph(self.client, data, cfg, n_classes=dataset.n_classes,
                                       device=device, train_resources=train_res,
                                       augment_resources=augment_res,
-                                      payload_bytes=averaging.nbytes(self.initial))
+                                      payload_bytes=averaging.nbytes(self.initial),
+                                      watchdog=self.watchdog)
         self.K = t.replicas
         self.ctx = Context(cfg, self.K, data.n_train, self.prep.per_epoch, dataset.n_classes,
                            device, tuple(self.prep.rounds))
@@ -307,6 +333,7 @@ class _Run:
             self._collect(last, stream, strategy, progress)
             if not attempt.pending:
                 state = strategy.gather(last.rnd.index, last.live)
+                _check_finite(state, last.rnd)
                 if self.out and self.anchor.round != state.round:
                     self.out.save_checkpoint(state, strategy.final_params(state))
                 self.anchor = attempt.anchor = state
@@ -381,6 +408,7 @@ class _Run:
             if self._checkpoints(rnd) or rnd.index == last:
                 self._collect(attempt.pending.pop(0), stream, strategy, progress)
                 state = strategy.gather(rnd.index, attempt.live)
+                _check_finite(state, rnd)
                 if self._checkpoints(rnd):
                     self.out.save_checkpoint(state, strategy.final_params(state))
                 if strategy.rescatter:
@@ -406,8 +434,12 @@ class _Run:
 
     def _line(self, pending: _Pending, stream, strategy) -> dict:
         rnd = pending.rnd
-        metrics = self.client.gather(pending.metrics)
-        evals = self.client.gather(pending.evals) if pending.evals else []
+        metrics = strategy.graph.gather(pending.metrics)  # the watchdog looks while it waits
+        evals = strategy.graph.gather(pending.evals) if pending.evals else []
+        for stage, results in (("train", metrics), ("evaluate", evals)):
+            for m in results:
+                if isinstance(m.get("seconds"), (int, float)):
+                    self.watchdog.observe(stage, m["seconds"])
         for m in metrics:
             if not m["finite"]:
                 raise DivergenceError(

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import cifar, data
+from pipeline import cifar, data, files
 from pipeline.cli import main
 from tests.pipeline.clusters import REPO, free_port
 
@@ -154,7 +154,7 @@ def test_bad_data(capsys, tmp_path, cifar_copy, cifar_tar, scheduler, damage, me
 def test_unreadable_data_file(capsys, tmp_path, cifar_dir, scheduler, monkeypatch):
     def denied(path, *args, **kwargs):  # as root, chmod 0 would not stop the read
         raise PermissionError(13, "Permission denied", path)
-    monkeypatch.setattr(cifar, "open", denied, raising=False)  # shadows the builtin in cifar only
+    monkeypatch.setattr(files, "_os_open", denied)  # the one open of the files we read
     line = _train(capsys, *GOOD, "--data", cifar_dir, "--scheduler", scheduler,
                   out=tmp_path / "out")
     assert "batches.meta: cannot read the file (permission denied)" in line

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from dask.utils import key_split
 
-from pipeline import cifar, data
+from pipeline import cifar, data, files
 from pipeline.config import DataConfig
 from pipeline.errors import DataError
 from tests.conftest import TINY_TEST, TINY_TRAIN
@@ -266,7 +266,7 @@ BAD = [
     ("negative label", lambda d, t: _rewrite(d, "data_batch_2", labels=_labels(d)[:7] + [-1]
                                              + _labels(d)[8:]) or str(d), r"label -1 at index 7"),
     ("labels not integers", lambda d, t: _rewrite(d, "data_batch_2", labels=[b"cat"] * 100)
-     or str(d), r"labels have dtype \|S3, expected integers"),
+     or str(d), r"labels must be integers, found bytes b'cat'"),
     ("label/data count mismatch", lambda d, t: _rewrite(d, "data_batch_5", labels=_labels(
         d, "data_batch_5")[:-1]) or str(d), r"data_batch_5: 99 labels for 100 images"),
     ("empty batch", lambda d, t: _rewrite(d, "data_batch_1", data=_data(d)[:0], labels=[])
@@ -342,7 +342,7 @@ def test_unreadable_batch_file(cifar_copy):
 def test_permission_denied_is_a_data_error_even_as_root(cifar_dir, cifar_tar, monkeypatch, which):
     def denied(path, *args, **kwargs):
         raise PermissionError(13, "Permission denied", path)
-    monkeypatch.setattr(cifar, "open", denied, raising=False)  # shadows the builtin in cifar only
+    monkeypatch.setattr(files, "_os_open", denied)  # the one open of the files we read
     with pytest.raises(DataError, match=r"(batches.meta|\.tar\.gz): cannot read the file "
                                         r"\(permission denied\)"):
         data.load_dataset(cifar_dir if which == "dir" else cifar_tar)

@@ -217,3 +217,45 @@ def test_callbacks_see_every_round_of_a_real_run(dask_client):
     assert len(out.getvalue().splitlines()) == 2
     published = live.training_events(dask_client, "unit-train")
     assert [e["test_acc"] for e in published if "test_acc" in e] == [result.history[-1]["test_acc"]]
+
+
+# ---- hostile events (any client or task can publish on the topic) -----------------------------
+
+XSS = '<img src=x onerror="alert(1)"><script>alert(2)</script>'
+MALFORMED = [
+    "not a dict", 42, None, ["a", "list"],
+    {"run": "r"},  # no metrics at all
+    {"run": "r", "round": "1", "epoch_float": 0.5, "train_loss": 2.0, "train_acc": 0.1},
+    {"run": "r", "round": 1, "epoch_float": "<b>", "train_loss": 2.0, "train_acc": 0.1},
+    {"run": "r", "round": 1, "epoch_float": 0.5, "train_loss": float("nan"), "train_acc": 0.1},
+    {"run": "r", "round": 1, "epoch_float": 0.5, "train_loss": 2.0, "train_acc": 0.1,
+     "test_acc": 0.2},  # a test accuracy without its loss
+    {"run": "r", "round": True, "epoch_float": 0.5, "train_loss": 2.0, "train_acc": 0.1},
+]
+
+
+def test_training_page_escapes_the_label_and_skips_malformed_events():
+    scheduler = _FakeScheduler()
+    page = live.TrainingPage(scheduler)
+    good = live.event_of(HISTORY[1], XSS)
+    good["train_acc"] = 0.5
+    scheduler.events = [(1.0, good)] + [(2.0 + i, m) for i, m in enumerate(MALFORMED)] + \
+        ["not a pair", (9.0,)]
+    page.update()  # never raises: a malformed event cannot take the page down
+    assert page.train.data["round"] == [1] and page.test.data["round"] == [1]
+    assert "<script" not in page.div.text and "<img" not in page.div.text
+    assert "&lt;script&gt;alert(2)&lt;/script&gt;" in page.div.text
+    assert page.div.text.startswith("<b>&lt;img src=x onerror=&quot;alert(1)&quot;&gt;")
+    scheduler.events = [(1.0, m) for m in MALFORMED]
+    page.update()
+    assert page.train.data["round"] == [1]  # nothing well formed: the last good plot stays
+
+
+def test_the_page_serves_200_with_hostile_events_published(dask_client):
+    events = live.dashboard_events(dask_client, run=XSS)
+    events(HISTORY[0])
+    for msg in MALFORMED:
+        dask_client.log_event(live.TOPIC, msg)
+    assert live.training_events(dask_client)[-1] == MALFORMED[-1]
+    html = _get(events.page_url)  # an exception building the document would be an HTTP 500
+    assert "Bokeh" in html and "<script>alert" not in html

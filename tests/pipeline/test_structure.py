@@ -18,7 +18,8 @@ PURE = ["augment", "pipeline.keys", "pipeline.schedule", "pipeline.averaging", "
         "pipeline.threads", "pipeline.strategies", "pipeline.strategies.base",
         "pipeline.strategies.single", "pipeline.strategies.gradient",
         "pipeline.strategies.mixture", "pipeline.strategies.ipm",
-        "pipeline.strategies.asynchronous"]
+        "pipeline.strategies.asynchronous", "pipeline.files", "pipeline.npz", "pipeline.rundir",
+        "pipeline.resume", "pipeline.watchdog"]
 
 
 def test_pure_modules_import_neither_dask_nor_chainer():
