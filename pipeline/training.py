@@ -484,15 +484,26 @@ class _Run:
                     disable=not self.config.progress, file=sys.stderr, dynamic_ncols=True)
 
     # ---- recovery: the cluster side of recovery.decide -----------------------------------
-    def _scheduler_alive(self, timeout: float = 5.0) -> bool:
-        """The client is connected and the scheduler answers a ping within ``timeout`` s."""
-        if self.client.status != "running":
-            return False
-        try:
-            self.client.sync(self.client.scheduler.identity, callback_timeout=timeout)
-        except Exception:  # refused, closed, timed out: gone
-            return False
-        return self.client.status == "running"
+    def _scheduler_alive(self, timeout: float | None = None) -> bool:
+        """The client is connected and the scheduler answers a ping within ``timeout`` s
+        (default ``cluster.connect_timeout``, at least 5 s).
+
+        A busy scheduler on a loaded machine (retiring a stopped worker, say) may miss one
+        5-second ping, so pings are repeated until the time is up; a closed client is gone at
+        once.
+        """
+        deadline = time.monotonic() + (timeout if timeout is not None
+                                       else max(5.0, self.config.cluster.connect_timeout))
+        while self.client.status == "running":
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                self.client.sync(self.client.scheduler.identity, callback_timeout=min(5.0, left))
+                return self.client.status == "running"
+            except Exception:  # refused, closed, timed out: ask again while time is left
+                time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        return False
 
     def _resume_hint(self) -> str:
         return recovery.resume_hint(self.out.path, self.anchor.round, self.out.has_checkpoints())
