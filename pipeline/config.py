@@ -12,6 +12,7 @@ OPTIMIZERS = ("sgd", "momentum", "adam")
 DEVICES = ("cpu", "gpu", "auto")
 OPT_STATE_MODES = ("auto", "keep", "reset", "average")
 LR_SCALINGS = ("auto", "none", "linear", "sqrt")
+CPU_KERNELS = ("ours", "chainer")
 
 
 def _check(condition: bool, name: str, message: str, value) -> None:
@@ -71,9 +72,13 @@ class AugmentConfig:
 class ModelConfig:
     name: str = "small-cnn"  # key of pipeline.models.MODELS
     n_classes: int = 10  # output units; taken from the data when it says otherwise
+    cpu_kernels: str = "ours"  # convolution/pooling/BatchNorm on NumPy: ours (pipeline.cpu_kernels,
+    #                            2-3.7x faster) | chainer (Chainer's functions); CuPy: Chainer's
 
     def validate(self) -> None:
         _check(self.n_classes >= 2, "model.n_classes", "must be >= 2", self.n_classes)
+        _check(self.cpu_kernels in CPU_KERNELS, "model.cpu_kernels", f"must be one of {CPU_KERNELS}",
+               self.cpu_kernels)
 
 
 @dataclass(frozen=True)
