@@ -39,13 +39,14 @@ def _max1d(x, axis: int, k: int, s: int, p: int, length: int):
     shape[axis] = length
     taps = _taps(x.shape[axis], length, k, s, p)
     y = np.empty(shape, x.dtype)
-    arg = np.zeros(shape, np.uint8)
     d0, j0, j1, i0 = taps[0]
     if (j0, j1) == (0, length):  # the first offset covers every output: start from it
         np.copyto(y, _along(x, axis, i0, i0 + s * length, s))
+        arg = np.full(shape, d0, np.uint8)
         taps = taps[1:]
     else:
         y.fill(-np.inf)
+        arg = np.zeros(shape, np.uint8)
     wins = np.empty(shape, bool)
     tap_arg = np.empty(shape, np.uint8)
     for d, j0, j1, i0 in taps:
