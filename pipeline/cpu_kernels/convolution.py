@@ -16,6 +16,11 @@ from pipeline.cpu_kernels.layout import out_size, pad_nhwc, windows
 CHUNK_BYTES = 2 << 20
 
 
+def gemm(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Every matrix product of this module goes through here (benchmarks time them alone)."""
+    return np.matmul(a, b, out=out)
+
+
 def _chunks(n: int, row_bytes: int):
     """Image ranges [n0, n1) whose im2col rows take about CHUNK_BYTES."""
     step = max(1, min(n, CHUNK_BYTES // max(1, row_bytes)))
@@ -35,7 +40,7 @@ def _im2col_gemm(xp, wmat, kh, kw, sy, sx, ho, wo, out):
     for n0, n1 in ranges:
         col = buf[:(n1 - n0) * rows]
         np.copyto(col.reshape(n1 - n0, ho, wo, kh, kw, c), windows(xp[n0:n1], kh, kw, sy, sx, ho, wo))
-        np.matmul(col, wmat, out=out[n0 * rows:n1 * rows])
+        gemm(col, wmat, out[n0 * rows:n1 * rows])
     return out
 
 
@@ -53,7 +58,7 @@ def forward(x, w, b, stride: tuple, pad: tuple):
     y2 = y.reshape(-1, o)
     if kh == kw == 1 and ph == pw == 0:
         xs = xp if sy == sx == 1 else np.ascontiguousarray(xp[:, ::sy, ::sx])
-        np.matmul(xs.reshape(-1, c), w.reshape(o, c).T, out=y2)
+        gemm(xs.reshape(-1, c), w.reshape(o, c).T, y2)
     else:
         wmat = w.transpose(0, 2, 3, 1).reshape(o, kh * kw * c).T  # small copy, then a free view
         _im2col_gemm(xp, wmat, kh, kw, sy, sx, ho, wo, y2)
@@ -75,7 +80,7 @@ def grad_w(xp, gy, kh: int, kw: int, stride: tuple):
     k = kh * kw * c
     if kh == kw == 1:
         xs = xp[:, :sy * ho:sy, :sx * wo:sx].reshape(-1, c)  # free at stride 1
-        return (gy2.T @ xs).reshape(o, c, 1, 1)
+        return gemm(gy2.T, xs).reshape(o, c, 1, 1)
     rows = ho * wo
     ranges = _chunks(n, rows * k * xp.itemsize)
     buf = np.empty(((ranges[0][1] - ranges[0][0]) * rows, k), xp.dtype)
@@ -84,7 +89,7 @@ def grad_w(xp, gy, kh: int, kw: int, stride: tuple):
     for n0, n1 in ranges:
         col = buf[:(n1 - n0) * rows]
         np.copyto(col.reshape(n1 - n0, ho, wo, kh, kw, c), windows(xp[n0:n1], kh, kw, sy, sx, ho, wo))
-        np.matmul(gy2[n0 * rows:n1 * rows].T, col, out=part)
+        gemm(gy2[n0 * rows:n1 * rows].T, col, part)
         gwt += part
     return gwt.reshape(o, kh, kw, c).transpose(0, 3, 1, 2)
 
@@ -121,7 +126,7 @@ def _col2im_grad_x(gy, w, x_shape, stride, pad):
     gx = np.empty((n, h, wd, c), gy.dtype)
     rows = ho * wo
     for n0, n1 in _chunks(n, rows * c * kh * kw * gy.itemsize):
-        gcol = (gy[n0:n1].reshape(-1, o) @ wmat).reshape(n1 - n0, ho, wo, kh, kw, c)
+        gcol = gemm(gy[n0:n1].reshape(-1, o), wmat).reshape(n1 - n0, ho, wo, kh, kw, c)
         gxp = np.zeros((n1 - n0, hp, wp, c), gy.dtype)
         for a in range(kh):
             for b in range(kw):

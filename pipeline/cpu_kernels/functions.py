@@ -81,7 +81,9 @@ class MaxPooling2D(chainer.FunctionNode):
 
     def forward_cpu(self, inputs):
         x = to_nhwc(inputs[0])
-        y, self._state = pooling.max_pool(x, self.ksize, self.stride, self.pad, self.cover_all)
+        # no graph (inference): no backward will come, so skip the argmax bookkeeping
+        y, self._state = pooling.max_pool(x, self.ksize, self.stride, self.pad, self.cover_all,
+                                          with_arg=chainer.config.enable_backprop)
         self._x_shape = x.shape
         return to_nchw(y),
 

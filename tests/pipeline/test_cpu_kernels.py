@@ -112,6 +112,19 @@ def test_max_pooling_matches_chainer_ties_included(case):
 
 @EXAMPLES
 @given(pool_cases)
+def test_max_pooling_without_graph_matches_chainer(case):
+    n, c, h, w, kh, kw, sy, sx, ph, pw, cover_all, ties, seed = case
+    if ph >= kh or pw >= kw or h + 2 * ph < kh or w + 2 * pw < kw:
+        return
+    args = dict(ksize=(kh, kw), stride=(sy, sx), pad=(ph, pw), cover_all=cover_all)
+    x = _pool_input(case)
+    with chainer.no_backprop_mode():  # inference: no argmax is kept
+        np.testing.assert_array_equal(K.max_pooling_2d(x, **args).array,
+                                      F.max_pooling_2d(x, **args).array)
+
+
+@EXAMPLES
+@given(pool_cases)
 def test_average_pooling_matches_chainer(case):
     n, c, h, w, kh, kw, sy, sx, ph, pw, _, _, seed = case
     if h + 2 * ph < kh or w + 2 * pw < kw:
