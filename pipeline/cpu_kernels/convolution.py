@@ -27,21 +27,47 @@ def _chunks(n: int, row_bytes: int):
     return [(n0, min(n, n0 + step)) for n0 in range(0, n, step)]
 
 
-def _im2col_gemm(xp, wmat, kh, kw, sy, sx, ho, wo, out):
-    """out (N*ho*wo, O) = im2col(xp) @ wmat, one chunk of images at a time through one buffer.
+def _columns(xp, kh, kw, sy, sx, ho, wo, ones: bool = False):
+    """Yield ``(n0, n1, col)``: im2col rows (n, i, j) x columns (a, b, c) of images [n0, n1).
 
-    xp: padded (N, Hp, Wp, C); wmat: (kh*kw*C, O), any strides BLAS takes.
+    One buffer serves every chunk, so each ``col`` is overwritten by the next. With ``ones`` the
+    buffer has one more column of ones: a GEMM against a weight matrix whose last row is the bias
+    adds the bias for free, and one against gy sums gy into the bias gradient for free.
     """
     n, _, _, c = xp.shape
     k = kh * kw * c
     rows = ho * wo
     ranges = _chunks(n, rows * k * xp.itemsize)
-    buf = np.empty(((ranges[0][1] - ranges[0][0]) * rows, k), xp.dtype)
+    buf = np.empty(((ranges[0][1] - ranges[0][0]) * rows, k + ones), xp.dtype)
+    if ones:
+        buf[:, k] = 1
     for n0, n1 in ranges:
         col = buf[:(n1 - n0) * rows]
-        np.copyto(col.reshape(n1 - n0, ho, wo, kh, kw, c), windows(xp[n0:n1], kh, kw, sy, sx, ho, wo))
+        np.copyto(col[:, :k].reshape(n1 - n0, ho, wo, kh, kw, c),
+                  windows(xp[n0:n1], kh, kw, sy, sx, ho, wo))
+        yield n0, n1, col
+
+
+def _im2col_gemm(xp, wmat, kh, kw, sy, sx, ho, wo, out, ones: bool = False):
+    """out (N*ho*wo, O) = im2col(xp) @ wmat, one chunk of images at a time.
+
+    xp: padded (N, Hp, Wp, C); wmat: (kh*kw*C [+ 1 bias row if ``ones``], O), any strides.
+    """
+    rows = ho * wo
+    for n0, n1, col in _columns(xp, kh, kw, sy, sx, ho, wo, ones):
         gemm(col, wmat, out[n0 * rows:n1 * rows])
     return out
+
+
+def _weight_rows(w, b=None):
+    """(O, C, kh, kw) [+ bias (O,)] -> (O, kh*kw*C [+ 1]) C-contiguous: rows of the (a, b, c) order."""
+    o, c, kh, kw = w.shape
+    k = kh * kw * c
+    wr = np.empty((o, k + (b is not None)), w.dtype)
+    wr[:, :k].reshape(o, kh, kw, c)[...] = w.transpose(0, 2, 3, 1)
+    if b is not None:
+        wr[:, k] = b
+    return wr
 
 
 def forward(x, w, b, stride: tuple, pad: tuple):
@@ -59,39 +85,37 @@ def forward(x, w, b, stride: tuple, pad: tuple):
     if kh == kw == 1 and ph == pw == 0:
         xs = xp if sy == sx == 1 else np.ascontiguousarray(xp[:, ::sy, ::sx])
         gemm(xs.reshape(-1, c), w.reshape(o, c).T, y2)
-    else:
-        wmat = w.transpose(0, 2, 3, 1).reshape(o, kh * kw * c).T  # small copy, then a free view
-        _im2col_gemm(xp, wmat, kh, kw, sy, sx, ho, wo, y2)
-    if b is not None:
-        y2 += b
+        if b is not None:
+            y2 += b
+    else:  # the bias rides in the GEMM: ones column x bias row
+        _im2col_gemm(xp, _weight_rows(w, b).T, kh, kw, sy, sx, ho, wo, y2, ones=b is not None)
     return y, xp
 
 
-def grad_w(xp, gy, kh: int, kw: int, stride: tuple):
-    """dL/dw: padded x (N, Hp, Wp, C), gy (N, Ho, Wo, O) -> (O, C, kh, kw).
+def grad_w(xp, gy, kh: int, kw: int, stride: tuple, bias: bool = False):
+    """dL/dw and dL/db: padded x (N, Hp, Wp, C), gy (N, Ho, Wo, O) -> ((O, C, kh, kw), (O,) or None).
 
     Recomputes the im2col columns chunk by chunk (a copy within L2) instead of keeping the
-    forward pass's whole-batch matrix.
+    forward pass's whole-batch matrix; the bias gradient comes out of the same GEMMs.
     """
     n, _, _, c = xp.shape
     _, ho, wo, o = gy.shape
     sy, sx = stride
     gy2 = gy.reshape(-1, o)
-    k = kh * kw * c
     if kh == kw == 1:
         xs = xp[:, :sy * ho:sy, :sx * wo:sx].reshape(-1, c)  # free at stride 1
-        return gemm(gy2.T, xs).reshape(o, c, 1, 1)
+        return gemm(gy2.T, xs).reshape(o, c, 1, 1), (gy2.sum(axis=0) if bias else None)
+    k = kh * kw * c
     rows = ho * wo
-    ranges = _chunks(n, rows * k * xp.itemsize)
-    buf = np.empty(((ranges[0][1] - ranges[0][0]) * rows, k), xp.dtype)
-    gwt = np.zeros((o, k), xp.dtype)
-    part = np.empty((o, k), xp.dtype)
-    for n0, n1 in ranges:
-        col = buf[:(n1 - n0) * rows]
-        np.copyto(col.reshape(n1 - n0, ho, wo, kh, kw, c), windows(xp[n0:n1], kh, kw, sy, sx, ho, wo))
-        gemm(gy2[n0 * rows:n1 * rows].T, col, part)
-        gwt += part
-    return gwt.reshape(o, kh, kw, c).transpose(0, 3, 1, 2)
+    gwt = part = None
+    for n0, n1, col in _columns(xp, kh, kw, sy, sx, ho, wo, ones=bias):
+        if gwt is None:
+            gwt = gemm(gy2[n0 * rows:n1 * rows].T, col)
+            part = np.empty_like(gwt)
+        else:
+            gwt += gemm(gy2[n0 * rows:n1 * rows].T, col, part)
+    gw = gwt[:, :k].reshape(o, kh, kw, c).transpose(0, 3, 1, 2)
+    return np.ascontiguousarray(gw), (gwt[:, k].copy() if bias else None)
 
 
 def grad_x(gy, w, x_shape: tuple, stride: tuple, pad: tuple):
@@ -121,7 +145,7 @@ def _col2im_grad_x(gy, w, x_shape, stride, pad):
     o, _, kh, kw = w.shape
     (sy, sx), (ph, pw) = stride, pad
     _, ho, wo, _ = gy.shape
-    wmat = w.transpose(0, 2, 3, 1).reshape(o, kh * kw * c)  # columns (a, b, c): c contiguous
+    wmat = _weight_rows(w)  # columns (a, b, c): c contiguous
     hp, wp = max(h + 2 * ph, sy * (ho - 1) + kh), max(wd + 2 * pw, sx * (wo - 1) + kw)
     gx = np.empty((n, h, wd, c), gy.dtype)
     rows = ho * wo

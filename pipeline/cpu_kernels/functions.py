@@ -54,17 +54,15 @@ class Convolution2D(chainer.FunctionNode):
         _no_double_backprop("convolution_2d")
         w = self.get_retained_inputs()[0].array
         gy = to_nhwc(grad_outputs[0].array)
-        kh, kw = w.shape[2:]
-        grads = []
-        for i in indexes:
-            if i == 0:
-                g = to_nchw(convolution.grad_x(gy, w, self._x_shape, self.stride, self.pad))
-            elif i == 1:
-                g = convolution.grad_w(self._xp, gy, kh, kw, self.stride)
-            else:
-                g = gy.reshape(-1, gy.shape[-1]).sum(axis=0)
-            grads.append(chainer.Variable(g))
-        return tuple(grads)
+        grads = {}
+        if 0 in indexes:
+            grads[0] = to_nchw(convolution.grad_x(gy, w, self._x_shape, self.stride, self.pad))
+        if 1 in indexes:  # the bias gradient comes with it out of the same GEMMs
+            grads[1], grads[2] = convolution.grad_w(self._xp, gy, *w.shape[2:], self.stride,
+                                                    bias=2 in indexes)
+        elif 2 in indexes:
+            grads[2] = gy.reshape(-1, gy.shape[-1]).sum(axis=0)
+        return tuple(chainer.Variable(grads[i]) for i in indexes)
 
 
 class MaxPooling2D(chainer.FunctionNode):

@@ -74,6 +74,25 @@ def test_convolution_check_backward(stride, pad, bias):
     gradient_check.check_backward(fn, tuple(inputs), gy, dtype=np.float64, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("wanted", [(False, True, True), (True, False, True), (True, True, False),
+                                    (False, False, True)])
+def test_convolution_computes_the_gradients_asked_for(wanted):
+    r = _rng(11)
+    arrays = (r.standard_normal((2, 3, 5, 4)), r.standard_normal((4, 3, 3, 3)), r.standard_normal(4))
+    gy = r.standard_normal((2, 4, 5, 4))
+    grads = []
+    for conv in (K.convolution_2d, F.convolution_2d):
+        vs = [chainer.Variable(a.copy(), requires_grad=w) for a, w in zip(arrays, wanted)]
+        y = conv(*vs, pad=1)
+        y.grad = gy
+        y.backward()
+        grads.append([v.grad for v in vs])
+    for ours, theirs, w in zip(*grads, wanted):
+        assert (ours is None) == (not w)
+        if w:
+            np.testing.assert_allclose(ours, theirs, rtol=1e-10, atol=1e-10)
+
+
 def test_pointwise_convolution_with_stride_check_backward():
     r = _rng(7)
     fn = lambda x, W: K.convolution_2d(x, W, stride=2)  # noqa: E731 (resnet20's projection)
