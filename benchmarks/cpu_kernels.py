@@ -65,30 +65,45 @@ def _layout(a) -> str:
 
 
 def record_products(step) -> list:
-    """Run one step of ``step`` (our kernels) and list its matrix products as (shape, order) pairs."""
+    """Run one step of ``step`` (our kernels) and list its matrix products.
+
+    Each product is ``(tag, (a shape, a order), (b shape, b order))``, the tag naming the
+    outermost Chainer function and pass it ran in (as the profile does).
+    """
     from pipeline.compat import chainer
     from pipeline.cpu_kernels import convolution
-    products = []
+    products, where = [], []
     gemm = convolution.gemm
 
     def recording(a, b, out=None):
-        products.append(((a.shape, _layout(a)), (b.shape, _layout(b))))
+        products.append((where[0], (a.shape, _layout(a)), (b.shape, _layout(b))))
         return gemm(a, b, out)
 
-    class LinearShapes(chainer.FunctionHook):
-        name = "LinearShapes"
+    class Tagger(chainer.FunctionHook):
+        name = "GemmTagger"
 
         def forward_preprocess(self, function, in_data):
-            if function.label == "LinearFunction":
+            where.append(f"{function.label} fwd")
+            if function.label == "LinearFunction" and len(where) == 1:
                 x, w = in_data[0], in_data[1]
                 (bsz, n_in), n_out = x.reshape(len(x), -1).shape, w.shape[0]
-                products.append((((bsz, n_in), "C"), ((n_in, n_out), "F")))  # y = x W^T
-                products.append((((bsz, n_out), "C"), ((n_out, n_in), "C")))  # gx = gy W
-                products.append((((n_out, bsz), "F"), ((bsz, n_in), "C")))  # gW = gy^T x
+                fwd, bwd = "LinearFunction fwd", "LinearFunction bwd"
+                products.append((fwd, ((bsz, n_in), "C"), ((n_in, n_out), "F")))  # y = x W^T
+                products.append((bwd, ((bsz, n_out), "C"), ((n_out, n_in), "C")))  # gx = gy W
+                products.append((bwd, ((n_out, bsz), "F"), ((bsz, n_in), "C")))  # gW = gy^T x
+
+        def backward_preprocess(self, function, in_data, out_grad):
+            where.append(f"{function.label} bwd")
+
+        def forward_postprocess(self, function, in_data):
+            where.pop()
+
+        def backward_postprocess(self, function, in_data, out_grad):
+            where.pop()
 
     convolution.gemm = recording
     try:
-        with LinearShapes():
+        with Tagger():
             step()
     finally:
         convolution.gemm = gemm
@@ -96,21 +111,29 @@ def record_products(step) -> list:
 
 
 def replay(products, np, rng) -> callable:
-    """A function running exactly these products on preallocated operands (one per shape)."""
+    """A function running exactly these products on preallocated operands (one per shape).
+
+    Called with a dict, it also adds each tag's thread CPU seconds to it.
+    """
     def operand(shape, order):
         if (shape, order) not in cache:
             cache[(shape, order)] = (rng.standard_normal(shape, dtype=np.float32) if order == "C"
                                      else rng.standard_normal(shape[::-1], dtype=np.float32).T)
         return cache[(shape, order)]
     cache, calls = {}, []
-    for (sa, la), (sb, lb) in products:
+    for tag, (sa, la), (sb, lb) in products:
         a, b = operand(sa, la), operand(sb, lb)
         out = cache.setdefault(("out", sa[0], sb[1]), np.empty((sa[0], sb[1]), np.float32))
-        calls.append((a, b, out))
+        calls.append((tag, a, b, out))
 
-    def run():
-        for a, b, out in calls:
-            np.matmul(a, b, out=out)
+    def run(seconds: dict | None = None):
+        for tag, a, b, out in calls:
+            if seconds is None:
+                np.matmul(a, b, out=out)
+            else:
+                start = time.thread_time()
+                np.matmul(a, b, out=out)
+                seconds[tag] = seconds.get(tag, 0.0) + time.thread_time() - start
     return run
 
 
@@ -172,9 +195,9 @@ def print_profile(name: str, profiles: dict) -> None:
     keys = sorted(set().union(*profiles.values()) - {"total"},
                   key=lambda k: -max(p.get(k, 0) for p in profiles.values()))
     print(f"\n{name}: thread CPU ms per step")
-    print(f"{'':42}" + "".join(f"{kind:>10}" for kind in profiles))
+    print(f"{'':42}" + "".join(f"{kind:>11}" for kind in profiles))
     for key in keys + ["total"]:
-        print(f"{key:42}" + "".join(f"{p.get(key, 0) * 1e3:10.1f}" for p in profiles.values()))
+        print(f"{key:42}" + "".join(f"{p.get(key, 0) * 1e3:11.1f}" for p in profiles.values()))
 
 
 def bench_model(name: str, a, np) -> dict:
@@ -193,8 +216,13 @@ def bench_model(name: str, a, np) -> dict:
     rates = {label: {c: a.batch_size / s for c, s in by_clock.items()}
              for label, by_clock in best.items()}
     if a.profile:
+        gemm_seconds = {}
+        for _ in range(3):
+            bound(gemm_seconds)
+        gemm_seconds = {k: v / 3 for k, v in gemm_seconds.items()}
+        gemm_seconds["total"] = sum(gemm_seconds.values())
         print_profile(name, {"chainer": profile_step(chainer_step),
-                             "ours": profile_step(ours_step)})
+                             "ours": profile_step(ours_step), "ours GEMM": gemm_seconds})
     return rates
 
 

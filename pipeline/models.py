@@ -109,12 +109,12 @@ class _Basic(chainer.Chain):
         he = dict(initialW=I.HeNormal(rng=rng), nobias=True)
         with self.init_scope():
             self.conv1 = K.Convolution2D(cin, cout, 3, stride, 1, **he)
-            self.bn1 = L.BatchNormalization(cout)
+            self.bn1 = K.BatchNormalization(cout)
             self.conv2 = K.Convolution2D(cout, cout, 3, 1, 1, **he)
-            self.bn2 = L.BatchNormalization(cout)
+            self.bn2 = K.BatchNormalization(cout)
             if stride != 1 or cin != cout:
                 self.proj = K.Convolution2D(cin, cout, 1, stride, 0, **he)
-                self.bnp = L.BatchNormalization(cout)
+                self.bnp = K.BatchNormalization(cout)
 
     def forward(self, x):
         h = F.relu(self.bn1(self.conv1(x)))
@@ -132,7 +132,7 @@ class ResNet20(chainer.Chain):
         super().__init__()
         with self.init_scope():
             self.conv1 = K.Convolution2D(3, 16, 3, 1, 1, nobias=True, initialW=I.HeNormal(rng=rng))
-            self.bn1 = L.BatchNormalization(16)
+            self.bn1 = K.BatchNormalization(16)
             self.stages = chainer.ChainList(*[
                 _Basic(cin if i == 0 else cout, cout, stride if i == 0 else 1, rng)
                 for cin, cout, stride in ((16, 16, 1), (16, 32, 2), (32, 64, 2))

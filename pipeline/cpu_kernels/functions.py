@@ -9,7 +9,7 @@ First-order gradients only: double backprop raises.
 from __future__ import annotations
 
 from pipeline.compat import chainer
-from pipeline.cpu_kernels import convolution, pooling
+from pipeline.cpu_kernels import convolution, normalization, pooling
 from pipeline.cpu_kernels.layout import to_nchw, to_nhwc
 
 type_check = chainer.utils.type_check
@@ -116,6 +116,71 @@ class AveragePooling2D(chainer.FunctionNode):
         return chainer.Variable(to_nchw(gx)),
 
 
+def _pixels(x):
+    """(N, C, H, W) of any layout -> ((N*H*W, C) C-contiguous, NHWC shape)."""
+    xh = to_nhwc(x)
+    return xh.reshape(-1, xh.shape[-1]), xh.shape
+
+
+class BatchNormalization(chainer.FunctionNode):
+    """Training-mode BN over (N, H, W) per channel, updating the running statistics in place."""
+
+    def __init__(self, eps=2e-5, running_mean=None, running_var=None, decay=0.9):
+        self.eps, self.decay = eps, decay
+        self.running = None if running_mean is None else (running_mean, running_var)
+
+    def check_type_forward(self, in_types):
+        type_check._argname(in_types, ("x", "gamma", "beta"))
+        x, gamma, beta = in_types
+        type_check.expect(x.dtype.kind == "f", x.ndim == 4, gamma.dtype == x.dtype,
+                          beta.dtype == x.dtype, gamma.shape == (x.shape[1],),
+                          beta.shape == (x.shape[1],))
+
+    def forward_cpu(self, inputs):
+        x, gamma, beta = inputs
+        x2, shape = _pixels(x)
+        y, self._x_hat, self._inv_std = normalization.forward(x2, gamma, beta, self.eps,
+                                                              self.running, self.decay)
+        self.retain_inputs((1,))
+        self._shape = shape
+        return to_nchw(y.reshape(shape)),
+
+    def backward(self, indexes, grad_outputs):
+        _no_double_backprop("batch_normalization")
+        gamma = self.get_retained_inputs()[0].array
+        gy, _ = _pixels(grad_outputs[0].array)
+        gx, ggamma, gbeta = normalization.backward(gy, self._x_hat, gamma, self._inv_std)
+        grads = {0: to_nchw(gx.reshape(self._shape)), 1: ggamma, 2: gbeta}
+        return tuple(chainer.Variable(grads[i]) for i in indexes)
+
+
+class FixedBatchNormalization(chainer.FunctionNode):
+    """Inference BN with given statistics; no backward (used without a graph only)."""
+
+    def __init__(self, eps=2e-5):
+        self.eps = eps
+
+    def forward_cpu(self, inputs):
+        x, gamma, beta, mean, var = inputs
+        x2, shape = _pixels(x)
+        return to_nchw(normalization.fixed_forward(x2, gamma, beta, mean, var,
+                                                   self.eps).reshape(shape)),
+
+    def backward(self, indexes, grad_outputs):
+        raise NotImplementedError("fixed_batch_normalization: NumPy kernel is inference-only")
+
+
+def batch_normalization(x, gamma, beta, eps=2e-5, running_mean=None, running_var=None,
+                        decay=0.9):
+    """``F.batch_normalization`` for (N, C, H, W) NumPy input (axis (0, 2, 3))."""
+    return BatchNormalization(eps, running_mean, running_var, decay).apply((x, gamma, beta))[0]
+
+
+def fixed_batch_normalization(x, gamma, beta, mean, var, eps=2e-5):
+    """``F.fixed_batch_normalization`` for (N, C, H, W) NumPy input, without a graph."""
+    return FixedBatchNormalization(eps).apply((x, gamma, beta, mean, var))[0]
+
+
 def convolution_2d(x, w, b=None, stride=1, pad=0):
     """Drop-in for ``F.convolution_2d`` (dilate 1, groups 1) on NumPy arrays."""
     inputs = (x, w) if b is None else (x, w, b)
@@ -151,5 +216,6 @@ def spatial_pyramid_pooling_2d(x, pyramid_height: int, pooling: str = "max"):
     return chainer.functions.concat(ys)
 
 
-__all__ = ["Convolution2D", "MaxPooling2D", "AveragePooling2D", "convolution_2d", "max_pooling_2d",
-           "average_pooling_2d", "spatial_pyramid_pooling_2d"]
+__all__ = ["Convolution2D", "MaxPooling2D", "AveragePooling2D", "BatchNormalization",
+           "FixedBatchNormalization", "convolution_2d", "max_pooling_2d", "average_pooling_2d",
+           "spatial_pyramid_pooling_2d", "batch_normalization", "fixed_batch_normalization"]
