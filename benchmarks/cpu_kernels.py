@@ -1,7 +1,7 @@
 """Benchmark: training images/s on one CPU thread with Chainer's functions, with ours, and the GEMM-only bound.
 
 For each model: batch ``--batch-size`` (100), Adam, one BLAS thread (threadpoolctl), the heap
-tuned as in a train- task (``tasks._keep_heap_for_training``). A step is forward, softmax
+tuned as in a train- task (``chainer_backend._keep_heap_for_training``). A step is forward, softmax
 cross-entropy, backward and ``optimizer.update()``. Chainer's functions (``cpu_kernels
 "chainer"``) and ours run interleaved, ``--repeats`` rounds of ``--steps`` steps each, best
 round kept. The GEMM-only bound: every matrix product of one of our steps (our convolutions'
@@ -230,7 +230,7 @@ def main(argv=None):
     import numpy as np
     from threadpoolctl import threadpool_limits
 
-    from pipeline.tasks import _keep_heap_for_training
+    from pipeline.chainer_backend import _keep_heap_for_training
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="cifar10-2015,resnet20,small-cnn")
     p.add_argument("--batch-size", type=int, default=100)
