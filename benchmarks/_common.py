@@ -38,6 +38,8 @@ def common_arguments(parser, *, epochs: float, batch_size: int, mix_every: str |
     parser.add_argument("--batch-size", type=int, default=batch_size, help="per replica")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpu-kernels", default="ours", choices=["ours", "chainer"],
+                        help="convolution/pooling/BatchNorm on CPU: ours or Chainer's functions")
     if mix_every is not None:
         parser.add_argument("--mix-every", default=mix_every, help="steps per round (H)")
 
@@ -47,7 +49,7 @@ def bench_config(a, **fields):
     from pipeline import Config
     base = {"data.source": a.data, "model.name": a.model, "train.batch_size": a.batch_size,
             "train.lr": a.lr, "train.epochs": a.epochs, "seed": a.seed, "progress": False,
-            "checkpoint_every": 0}
+            "checkpoint_every": 0, "model.cpu_kernels": a.cpu_kernels}
     if getattr(a, "mix_every", None) is not None:
         base["average.mix_every"] = a.mix_every
     return Config().replace(**{**base, **fields})

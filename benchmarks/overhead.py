@@ -16,7 +16,8 @@ import time
 from _common import bench_config, common_arguments, emit, local_client, timed  # noqa: I001
 
 
-def bare_loop(model_name: str, source: str, epochs: int, batch: int, lr: float, seed: int):
+def bare_loop(model_name: str, source: str, epochs: int, batch: int, lr: float, seed: int,
+              kernels: str = "ours"):
     """Seed 000's single-process loop; returns (images/s, test accuracy)."""
     import numpy as np
     from threadpoolctl import threadpool_limits
@@ -31,7 +32,7 @@ def bare_loop(model_name: str, source: str, epochs: int, batch: int, lr: float, 
     optimizer.setup(model)
     rng = np.random.default_rng(seed)
     start = time.perf_counter()
-    with threadpool_limits(1):
+    with threadpool_limits(1), chainer.using_config("cpu_kernels", kernels):
         for _ in range(epochs):
             order = rng.permutation(len(y))
             with chainer.using_config("train", True):
@@ -67,7 +68,7 @@ def main(argv=None):
     with local_client(1, 1) as client:
         for _ in range(a.repeats):  # interleaved, best of each: the 2 cores are shared
             bare_runs.append(bare_loop(a.model, a.data, int(a.epochs), a.batch_size, a.lr,
-                                       a.seed))
+                                       a.seed, a.cpu_kernels))
             our_runs.append(ours(client, a))
     bare_img_s, bare_acc = max(bare_runs)
     ours_img_s, ours_acc, history = max(our_runs, key=lambda r: r[0])
@@ -79,7 +80,8 @@ def main(argv=None):
           f"{a.mix_every} steps")
     emit({"bench": "overhead", "ratio": round(ratio, 4), "bare_img_s": round(bare_img_s, 1),
           "ours_img_s": round(ours_img_s, 1), "model": a.model, "epochs": a.epochs,
-          "batch_size": a.batch_size, "mix_every": a.mix_every, "target": 0.9})
+          "batch_size": a.batch_size, "mix_every": a.mix_every, "cpu_kernels": a.cpu_kernels,
+          "target": 0.9})
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ def main(argv=None):
     print(f"speedup = {ratio:.3f} (target >= 1.8; H = {a.mix_every} steps)")
     emit({"bench": "speedup", "ratio": round(ratio, 4), "single_img_s": round(single[0], 1),
           "ipm_img_s": round(ipm[0], 1), "model": a.model, "mix_every": a.mix_every,
-          "target": 1.8})
+          "cpu_kernels": a.cpu_kernels, "target": 1.8})
 
 
 if __name__ == "__main__":

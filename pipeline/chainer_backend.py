@@ -69,8 +69,9 @@ def _inputs(images, labels, spec):
     return x, _to_device(labels.astype(np.int32, copy=False), spec.device)
 
 
-def _mode(train: bool):
-    """Chainer's train flag, and no per-call type checks (inputs are ours and already checked).
+def _mode(train: bool, kernels: str = "ours"):
+    """Chainer's train flag, which CPU kernels run (``pipeline.cpu_kernels``: ours | chainer), and
+    no per-call type checks (inputs are ours and already checked).
 
     Chainer checks the types and shapes of every FunctionNode's inputs on every call. Without it
     a bare loop ran 1.04-1.07x faster at batch 100 and 1.44x for resnet20 at batch 512 on an H100
@@ -79,6 +80,7 @@ def _mode(train: bool):
     stack = contextlib.ExitStack()
     stack.enter_context(chainer.using_config("train", train))
     stack.enter_context(chainer.using_config("type_check", False))
+    stack.enter_context(chainer.using_config("cpu_kernels", kernels))
     return stack
 
 
@@ -135,7 +137,7 @@ class ChainerBackend:
 
     def train_steps(self, params, opt_state, images, labels, spec, rng):
         _keep_heap_for_training()
-        with _mode(train=True):
+        with _mode(True, spec.cpu_kernels):
             model = _model(spec, params)
             optimizer = _optimizer(spec, model, opt_state)
             loss_sum, correct, n = _steps(model, optimizer, images, labels, spec, rng)
@@ -144,7 +146,7 @@ class ChainerBackend:
 
     def gradient(self, params, images, labels, spec, rng):
         _keep_heap_for_training()
-        with _mode(train=True):
+        with _mode(True, spec.cpu_kernels):
             model = _model(spec, params)
             x, t = _inputs(images, labels, spec)
             logits = model(x, rng=rng)
@@ -176,7 +178,7 @@ class ChainerBackend:
         return new_params, get_optimizer_state(optimizer)
 
     def predict(self, params, images, spec):
-        with _mode(train=False), chainer.no_backprop_mode():
+        with _mode(False, spec.cpu_kernels), chainer.no_backprop_mode():
             model = _model(spec, params)
 
             def proba(batch):

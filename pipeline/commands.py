@@ -27,6 +27,8 @@ _TRAIN_OPTIONS = [
      "fit) | on | off", ""),
     ("--model", "model.name", str, "NAME", "small-cnn (15 k parameters, fast on a CPU) | resnet20 "
      "| cifar10-2015", ""),
+    ("--cpu-kernels", "model.cpu_kernels", str, "KIND", "ours | chainer: convolution, pooling "
+     "and BatchNorm on CPU workers by our NumPy kernels or Chainer's functions", ""),
     ("--strategy", "train.strategy", str, "NAME", "single (one replica) | gradient (one step on "
      "the replicas' summed gradients) | mixture (replicas averaged once, at the end) | ipm "
      "(replicas averaged every round) | async (no barrier: each replica's update applied as it "

@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from pipeline import cpu_kernels as K
 from pipeline.compat import F, L, chainer
 from pipeline.rng import counter_uniform
 
@@ -48,17 +49,17 @@ class Cifar2015(chainer.Chain):
         super().__init__()
         he = dict(initialW=I.HeNormal(rng=rng))
         with self.init_scope():
-            self.conv1 = L.Convolution2D(3, 32, 5, stride=1, pad=2, **he)
-            self.conv2 = L.Convolution2D(32, 32, 5, stride=1, pad=2, **he)
-            self.conv3 = L.Convolution2D(32, 64, 5, stride=1, pad=2, **he)
+            self.conv1 = K.Convolution2D(3, 32, 5, stride=1, pad=2, **he)
+            self.conv2 = K.Convolution2D(32, 32, 5, stride=1, pad=2, **he)
+            self.conv3 = K.Convolution2D(32, 64, 5, stride=1, pad=2, **he)
             self.fc4 = L.Linear(1344, 4096, initialW=I.LeCunNormal(rng=rng))
             self.fc5 = L.Linear(4096, n_classes, initialW=I.LeCunNormal(rng=rng))
 
     def forward(self, x, rng: np.random.Generator | None = None):
-        h = F.max_pooling_2d(F.relu(self.conv1(x)), 3, stride=2)
-        h = F.max_pooling_2d(F.relu(self.conv2(h)), 3, stride=2)
+        h = K.max_pooling_2d(F.relu(self.conv1(x)), 3, stride=2)
+        h = K.max_pooling_2d(F.relu(self.conv2(h)), 3, stride=2)
         h = F.relu(self.conv3(h))
-        h = F.spatial_pyramid_pooling_2d(h, 3, pooling="max")
+        h = K.spatial_pyramid_pooling_2d(h, 3, pooling="max")
         h = _dropout(F.relu(self.fc4(h)), 0.5, rng)
         return self.fc5(h)
 
@@ -75,14 +76,14 @@ class SmallCNN(chainer.Chain):
         super().__init__()
         he = dict(initialW=I.HeNormal(rng=rng))
         with self.init_scope():
-            self.conv1 = L.Convolution2D(3, 16, 3, pad=1, **he)
-            self.conv2 = L.Convolution2D(16, 32, 3, pad=1, **he)
-            self.conv3 = L.Convolution2D(32, 32, 3, pad=1, **he)
+            self.conv1 = K.Convolution2D(3, 16, 3, pad=1, **he)
+            self.conv2 = K.Convolution2D(16, 32, 3, pad=1, **he)
+            self.conv3 = K.Convolution2D(32, 32, 3, pad=1, **he)
             self.fc = L.Linear(32 * 4 * 4, n_classes, initialW=I.LeCunNormal(rng=rng))
 
     def forward(self, x, rng: np.random.Generator | None = None):
-        h = F.max_pooling_2d(F.relu(self.conv1(x)), 2)  # 16 x 16 (of a 32 x 32 input)
-        h = F.max_pooling_2d(F.relu(self.conv2(h)), 2)  # 8 x 8
+        h = K.max_pooling_2d(F.relu(self.conv1(x)), 2)  # 16 x 16 (of a 32 x 32 input)
+        h = K.max_pooling_2d(F.relu(self.conv2(h)), 2)  # 8 x 8
         return self.fc(_average_to(F.relu(self.conv3(h)), 4))  # 4 x 4 at any input size
 
 
@@ -93,7 +94,7 @@ def _average_to(h, side: int):
     height, width = h.shape[2:]
     if height % side == 0 and width % side == 0:
         k = (height // side, width // side)
-        return h if k == (1, 1) else F.average_pooling_2d(h, k)
+        return h if k == (1, 1) else K.average_pooling_2d(h, k)
     rows = [(i * height // side, -(-(i + 1) * height // side)) for i in range(side)]
     cols = [(j * width // side, -(-(j + 1) * width // side)) for j in range(side)]
     cells = [F.mean(h[:, :, r0:r1, c0:c1], axis=(2, 3)) for r0, r1 in rows for c0, c1 in cols]
@@ -107,13 +108,13 @@ class _Basic(chainer.Chain):
         super().__init__()
         he = dict(initialW=I.HeNormal(rng=rng), nobias=True)
         with self.init_scope():
-            self.conv1 = L.Convolution2D(cin, cout, 3, stride, 1, **he)
-            self.bn1 = L.BatchNormalization(cout)
-            self.conv2 = L.Convolution2D(cout, cout, 3, 1, 1, **he)
-            self.bn2 = L.BatchNormalization(cout)
+            self.conv1 = K.Convolution2D(cin, cout, 3, stride, 1, **he)
+            self.bn1 = K.BatchNormalization(cout)
+            self.conv2 = K.Convolution2D(cout, cout, 3, 1, 1, **he)
+            self.bn2 = K.BatchNormalization(cout)
             if stride != 1 or cin != cout:
-                self.proj = L.Convolution2D(cin, cout, 1, stride, 0, **he)
-                self.bnp = L.BatchNormalization(cout)
+                self.proj = K.Convolution2D(cin, cout, 1, stride, 0, **he)
+                self.bnp = K.BatchNormalization(cout)
 
     def forward(self, x):
         h = F.relu(self.bn1(self.conv1(x)))
@@ -130,8 +131,8 @@ class ResNet20(chainer.Chain):
                  blocks: int = 3):
         super().__init__()
         with self.init_scope():
-            self.conv1 = L.Convolution2D(3, 16, 3, 1, 1, nobias=True, initialW=I.HeNormal(rng=rng))
-            self.bn1 = L.BatchNormalization(16)
+            self.conv1 = K.Convolution2D(3, 16, 3, 1, 1, nobias=True, initialW=I.HeNormal(rng=rng))
+            self.bn1 = K.BatchNormalization(16)
             self.stages = chainer.ChainList(*[
                 _Basic(cin if i == 0 else cout, cout, stride if i == 0 else 1, rng)
                 for cin, cout, stride in ((16, 16, 1), (16, 32, 2), (32, 64, 2))

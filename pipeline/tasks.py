@@ -46,6 +46,7 @@ class StepSpec(NamedTuple):
     beta1: float = 0.9  # Adam's first-moment decay
     beta2: float = 0.999  # Adam's second-moment decay
     eps: float = 1e-8  # Adam's epsilon
+    cpu_kernels: str = "ours"  # convolution/pooling/BatchNorm on NumPy: ours | chainer
 
 
 class TrainResult(NamedTuple):
@@ -101,6 +102,7 @@ class EvalSpec(NamedTuple):
     mean: tuple = tuple(augment.CIFAR10_MEAN)
     std: tuple = tuple(augment.CIFAR10_STD)
     backend: str = "chainer"
+    cpu_kernels: str = "ours"  # as StepSpec.cpu_kernels
 
 
 def predict_proba(params: State, images: np.ndarray, spec: EvalSpec) -> np.ndarray:

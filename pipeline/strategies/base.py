@@ -40,11 +40,11 @@ class Context(NamedTuple):
         return StepSpec(self.config.model.name, self.n_classes, t.optimizer, t.momentum,
                         t.weight_decay, self.lrs(rnd), t.batch_size, mode, self.config.seed,
                         rnd.index, replica, self.device, beta1=t.beta1, beta2=t.beta2,
-                        eps=t.adam_eps)
+                        eps=t.adam_eps, cpu_kernels=self.config.model.cpu_kernels)
 
     def eval_spec(self) -> EvalSpec:
         return EvalSpec(self.config.model.name, self.n_classes, self.config.train.tta,
-                        self.device)
+                        self.device, cpu_kernels=self.config.model.cpu_kernels)
 
 
 class Live(NamedTuple):

@@ -14,6 +14,7 @@ BAD = [
     ({"train.lr": -1.0}, "train.lr"),
     ({"train.optimizer": "rmsprop"}, "train.optimizer"),
     ({"train.device": "tpu"}, "train.device"),
+    ({"model.cpu_kernels": "mkl"}, "model.cpu_kernels"),
     ({"train.epochs": 0}, "train.epochs"),
     ({"average.fan_in": 1}, "average.fan_in"),
     ({"average.outer_momentum": 1.0}, "average.outer_momentum"),

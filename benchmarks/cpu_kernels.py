@@ -1,0 +1,272 @@
+"""Benchmark: training images/s on one CPU thread with Chainer's functions, with ours, and the GEMM-only bound.
+
+For each model: batch ``--batch-size`` (100), Adam, one BLAS thread (threadpoolctl), the heap
+tuned as in a train- task (``chainer_backend._keep_heap_for_training``). A step is forward, softmax
+cross-entropy, backward and ``optimizer.update()``. Chainer's functions (``cpu_kernels
+"chainer"``) and ours run interleaved, ``--repeats`` rounds of ``--steps`` steps each, best
+round kept. The GEMM-only bound: every matrix product of one of our steps (our convolutions'
+products as issued, chunk by chunk, recorded through ``convolution.gemm``; the Linear layers'
+forward, gx and gW products) replayed alone on operands of the same shapes and memory orders, in
+the same run. Images/s by the wall clock and by this thread's CPU time (the machine is shared).
+
+    .venv/bin/python benchmarks/cpu_kernels.py                  # ~2 min on 2 cores
+    .venv/bin/python benchmarks/cpu_kernels.py --profile        # also: where one step's time goes
+
+Goals (issue 15): ours >= 2.3x Chainer's functions on cifar10-2015, and >= 0.55 of the bound.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+from _common import emit  # noqa: I001
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def make_trainer(name: str, kernels: str, batch: int, seed: int = 0):
+    """A zero-argument step function: one Adam step of ``name`` on a fixed seeded batch."""
+    import numpy as np
+
+    import augment
+    from pipeline.cifar import synthetic_batch
+    from pipeline.compat import F, chainer
+    from pipeline.models import build_model
+    model = build_model(name, 10, seed=seed)
+    optimizer = chainer.optimizers.Adam(alpha=1e-3)
+    optimizer.setup(model)
+    images, labels = synthetic_batch(seed, "train", 0, batch)
+    x, t = augment.normalize(images), labels.astype(np.int32)
+    rng = np.random.default_rng(seed)
+
+    def step():
+        with chainer.using_config("train", True), chainer.using_config("cpu_kernels", kernels):
+            loss = F.softmax_cross_entropy(model(x, rng=rng), t)
+            model.cleargrads()
+            loss.backward()
+            optimizer.update()
+    step.model, step.optimizer, step.kernels = model, optimizer, kernels
+    return step
+
+
+def time_steps(step, steps: int) -> dict:
+    """Seconds per step of ``steps`` consecutive steps, by each clock."""
+    start = {k: c() for k, c in CLOCKS.items()}
+    for _ in range(steps):
+        step()
+    return {k: (c() - start[k]) / steps for k, c in CLOCKS.items()}
+
+
+# ---- the GEMM-only bound -------------------------------------------------------------------
+
+def _layout(a) -> str:
+    return "F" if (a.ndim == 2 and not a.flags.c_contiguous and a.flags.f_contiguous) else "C"
+
+
+def record_products(step) -> list:
+    """Run one step of ``step`` (our kernels) and list its matrix products.
+
+    Each product is ``(tag, (a shape, a order), (b shape, b order))``, the tag naming the
+    outermost Chainer function and pass it ran in (as the profile does).
+    """
+    from pipeline.compat import chainer
+    from pipeline.cpu_kernels import convolution
+    products, where = [], []
+    gemm = convolution.gemm
+
+    def recording(a, b, out=None):
+        products.append((where[0], (a.shape, _layout(a)), (b.shape, _layout(b))))
+        return gemm(a, b, out)
+
+    class Tagger(chainer.FunctionHook):
+        name = "GemmTagger"
+
+        def forward_preprocess(self, function, in_data):
+            where.append(f"{function.label} fwd")
+            if function.label == "LinearFunction" and len(where) == 1:
+                x, w = in_data[0], in_data[1]
+                (bsz, n_in), n_out = x.reshape(len(x), -1).shape, w.shape[0]
+                fwd, bwd = "LinearFunction fwd", "LinearFunction bwd"
+                products.append((fwd, ((bsz, n_in), "C"), ((n_in, n_out), "F")))  # y = x W^T
+                products.append((bwd, ((bsz, n_out), "C"), ((n_out, n_in), "C")))  # gx = gy W
+                products.append((bwd, ((n_out, bsz), "F"), ((bsz, n_in), "C")))  # gW = gy^T x
+
+        def backward_preprocess(self, function, in_data, out_grad):
+            where.append(f"{function.label} bwd")
+
+        def forward_postprocess(self, function, in_data):
+            where.pop()
+
+        def backward_postprocess(self, function, in_data, out_grad):
+            where.pop()
+
+    convolution.gemm = recording
+    try:
+        with Tagger():
+            step()
+    finally:
+        convolution.gemm = gemm
+    return products
+
+
+def replay(products, np, rng) -> callable:
+    """A function running exactly these products on preallocated operands (one per shape).
+
+    Called with a dict, it also adds each tag's thread CPU seconds to it.
+    """
+    def operand(shape, order):
+        if (shape, order) not in cache:
+            cache[(shape, order)] = (rng.standard_normal(shape, dtype=np.float32) if order == "C"
+                                     else rng.standard_normal(shape[::-1], dtype=np.float32).T)
+        return cache[(shape, order)]
+    cache, calls = {}, []
+    for tag, (sa, la), (sb, lb) in products:
+        a, b = operand(sa, la), operand(sb, lb)
+        out = cache.setdefault(("out", sa[0], sb[1]), np.empty((sa[0], sb[1]), np.float32))
+        calls.append((tag, a, b, out))
+
+    def run(seconds: dict | None = None):
+        for tag, a, b, out in calls:
+            if seconds is None:
+                np.matmul(a, b, out=out)
+            else:
+                start = time.thread_time()
+                np.matmul(a, b, out=out)
+                seconds[tag] = seconds.get(tag, 0.0) + time.thread_time() - start
+    return run
+
+
+# ---- where the time goes -------------------------------------------------------------------
+
+def profile_step(step, repeats: int = 3) -> dict:
+    """Thread CPU seconds per step by Chainer function (forward and backward), optimizer, rest."""
+    from pipeline.compat import chainer
+
+    class Timer(chainer.FunctionHook):
+        """Outermost calls only: a backward that runs gradient FunctionNodes counts them in."""
+        name = "ThreadTimer"
+
+        def __init__(self):
+            self.seconds = collections.defaultdict(float)
+            self._start = []
+
+        def _pre(self, *_):
+            self._start.append(time.thread_time())
+
+        def _post(self, function, kind):
+            start = self._start.pop()
+            if not self._start:
+                self.seconds[f"{function.label} {kind}"] += time.thread_time() - start
+
+        forward_preprocess = backward_preprocess = _pre
+
+        def forward_postprocess(self, function, in_data):
+            self._post(function, "fwd")
+
+        def backward_postprocess(self, function, in_data, out_grad):
+            self._post(function, "bwd")
+
+    timer, total, update = Timer(), 0.0, 0.0
+    opt_update = step.optimizer.update
+
+    def timed_update(*args, **kwargs):
+        nonlocal update
+        start = time.thread_time()
+        opt_update(*args, **kwargs)
+        update += time.thread_time() - start
+    step.optimizer.update = timed_update
+    try:
+        with timer:
+            for _ in range(repeats):
+                start = time.thread_time()
+                step()
+                total += time.thread_time() - start
+    finally:
+        del step.optimizer.update
+    rows = {k: v / repeats for k, v in timer.seconds.items()}
+    rows["optimizer update (Adam)"] = update / repeats
+    rows["rest (graph, Python)"] = total / repeats - sum(rows.values())
+    rows["total"] = total / repeats
+    return rows
+
+
+def print_profile(name: str, profiles: dict) -> None:
+    keys = sorted(set().union(*profiles.values()) - {"total"},
+                  key=lambda k: -max(p.get(k, 0) for p in profiles.values()))
+    print(f"\n{name}: thread CPU ms per step")
+    print(f"{'':42}" + "".join(f"{kind:>11}" for kind in profiles))
+    for key in keys + ["total"]:
+        print(f"{key:42}" + "".join(f"{p.get(key, 0) * 1e3:11.1f}" for p in profiles.values()))
+
+
+def bench_model(name: str, a, np) -> dict:
+    chainer_step = make_trainer(name, "chainer", a.batch_size)
+    ours_step = make_trainer(name, "ours", a.batch_size)
+    for step in (chainer_step, ours_step):
+        step()  # warm-up: lazy allocations, heap growth
+    bound = replay(record_products(ours_step), np, np.random.default_rng(0))
+    bound()
+    best = collections.defaultdict(lambda: dict.fromkeys(CLOCKS, float("inf")))
+    for _ in range(a.repeats):  # interleaved, best of each: the 2 cores are shared
+        for label, fn, steps in (("chainer", chainer_step, a.steps), ("ours", ours_step, a.steps),
+                                 ("gemm", bound, a.steps)):
+            for clock, seconds in time_steps(fn, steps).items():
+                best[label][clock] = min(best[label][clock], seconds)
+    rates = {label: {c: a.batch_size / s for c, s in by_clock.items()}
+             for label, by_clock in best.items()}
+    if a.profile:
+        gemm_seconds = {}
+        for _ in range(3):
+            bound(gemm_seconds)
+        gemm_seconds = {k: v / 3 for k, v in gemm_seconds.items()}
+        gemm_seconds["total"] = sum(gemm_seconds.values())
+        print_profile(name, {"chainer": profile_step(chainer_step),
+                             "ours": profile_step(ours_step), "ours GEMM": gemm_seconds})
+    return rates
+
+
+def main(argv=None):
+    import numpy as np
+    from threadpoolctl import threadpool_limits
+
+    from pipeline.chainer_backend import _keep_heap_for_training
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="cifar10-2015,resnet20,small-cnn")
+    p.add_argument("--batch-size", type=int, default=100)
+    p.add_argument("--steps", type=int, default=3, help="steps per timed round")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; best kept")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="which clock the headline ratios use (both are printed)")
+    p.add_argument("--profile", action="store_true", help="print a per-function breakdown")
+    a = p.parse_args(argv)
+    _keep_heap_for_training()
+    figures = {}
+    with threadpool_limits(1):
+        for name in a.models.split(","):
+            figures[name] = bench_model(name, a, np)
+    print(f"\n{'model':14}{'clock':7}{'chainer':>10}{'ours':>10}{'gemm-only':>11}"
+          f"{'speedup':>9}{'of bound':>10}   (images/s)")
+    out = {}
+    for name, r in figures.items():
+        for clock in sorted(CLOCKS, key=lambda c: c != a.clock):
+            speedup = r["ours"][clock] / r["chainer"][clock]
+            fraction = r["ours"][clock] / r["gemm"][clock]
+            print(f"{name:14}{clock:7}{r['chainer'][clock]:10.1f}{r['ours'][clock]:10.1f}"
+                  f"{r['gemm'][clock]:11.1f}{speedup:9.2f}{fraction:10.3f}")
+        c = a.clock
+        out[name] = {"chainer_img_s": round(r["chainer"][c], 1), "ours_img_s": round(r["ours"][c], 1),
+                     "gemm_bound_img_s": round(r["gemm"][c], 1),
+                     "speedup_vs_chainer": round(r["ours"][c] / r["chainer"][c], 3),
+                     "fraction_of_gemm_bound": round(r["ours"][c] / r["gemm"][c], 3),
+                     "cpu_clock": {k: round(r[k]["cpu"], 1) for k in ("chainer", "ours", "gemm")}}
+    goal = out.get("cifar10-2015")
+    print("goals (cifar10-2015): speedup >= 2.3, fraction of the GEMM-only bound >= 0.55")
+    emit({"bench": "cpu_kernels", "batch_size": a.batch_size, "threads": 1, "optimizer": "adam",
+          "clock": a.clock, "steps": a.steps, "repeats": a.repeats, "models": out,
+          "goals_met": None if goal is None else bool(goal["speedup_vs_chainer"] >= 2.3
+                                                       and goal["fraction_of_gemm_bound"] >= 0.55)})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,359 @@
+"""Our NumPy convolution, pooling and BatchNorm against Chainer's: values, gradients, ties, models."""
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from pipeline import cpu_kernels
+from pipeline.compat import F, chainer, gradient_check
+from pipeline.cpu_kernels import functions as K
+from pipeline.models import MODELS, build_model
+
+EXAMPLES = settings(max_examples=60, deadline=None, derandomize=True, database=None)
+
+
+def _rng(seed):
+    return np.random.default_rng(seed)
+
+
+def _grads(fn, inputs, gy):
+    """fn(*Variables) -> (output array, gradients of every input) for the upstream gradient gy."""
+    vs = [chainer.Variable(a.copy()) for a in inputs]
+    y = fn(*vs)
+    y.grad = gy
+    y.backward()
+    return y.array, [v.grad for v in vs]
+
+
+def _assert_same(fn_ours, fn_theirs, inputs, seed, exact=False):
+    """Same output (bit for bit if ``exact``) and same gradients up to summation order."""
+    y_ref = fn_theirs(*inputs)
+    gy = _rng(seed).standard_normal(y_ref.shape)
+    y0, g0 = _grads(fn_theirs, inputs, gy)
+    y1, g1 = _grads(fn_ours, inputs, gy)
+    assert y1.shape == y0.shape
+    if exact:
+        np.testing.assert_array_equal(y1, y0)
+    else:
+        np.testing.assert_allclose(y1, y0, rtol=1e-10, atol=1e-10)
+    for a, b in zip(g1, g0):  # a gradient routed to the wrong tied input is off by O(1)
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-10)
+
+
+# ---- convolution ---------------------------------------------------------------------------
+
+conv_cases = st.tuples(
+    st.integers(1, 3), st.integers(1, 4), st.integers(1, 9), st.integers(1, 9),  # N, C, H, W
+    st.integers(1, 4), st.integers(1, 4), st.integers(1, 4),  # O, kh, kw
+    st.integers(1, 3), st.integers(1, 3), st.integers(0, 4), st.integers(0, 4),  # sy, sx, ph, pw
+    st.booleans(), st.integers(0, 2**16))
+
+
+@EXAMPLES
+@given(conv_cases)
+def test_convolution_matches_chainer(case):
+    n, c, h, w, o, kh, kw, sy, sx, ph, pw, bias, seed = case
+    if h + 2 * ph < kh or w + 2 * pw < kw:
+        return  # no output pixel: Chainer refuses too
+    r = _rng(seed)
+    inputs = [r.standard_normal((n, c, h, w)), r.standard_normal((o, c, kh, kw))]
+    if bias:
+        inputs.append(r.standard_normal(o))
+    _assert_same(lambda *a: K.convolution_2d(*a, stride=(sy, sx), pad=(ph, pw)),
+                 lambda *a: F.convolution_2d(*a, stride=(sy, sx), pad=(ph, pw)), inputs, seed)
+
+
+@pytest.mark.parametrize("stride,pad,bias", [(1, 1, True), (2, 1, False), (1, 0, True),
+                                             (3, 2, True)])
+def test_convolution_check_backward(stride, pad, bias):
+    r = _rng(stride * 10 + pad)
+    inputs = [r.standard_normal((2, 3, 7, 6)), r.standard_normal((4, 3, 3, 3))]
+    if bias:
+        inputs.append(r.standard_normal(4))
+    fn = lambda *a: K.convolution_2d(*a, stride=stride, pad=pad)  # noqa: E731
+    gy = r.standard_normal(fn(*inputs).shape)
+    gradient_check.check_backward(fn, tuple(inputs), gy, dtype=np.float64, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("wanted", [(False, True, True), (True, False, True), (True, True, False),
+                                    (False, False, True)])
+def test_convolution_computes_the_gradients_asked_for(wanted):
+    r = _rng(11)
+    arrays = (r.standard_normal((2, 3, 5, 4)), r.standard_normal((4, 3, 3, 3)), r.standard_normal(4))
+    gy = r.standard_normal((2, 4, 5, 4))
+    grads = []
+    for conv in (K.convolution_2d, F.convolution_2d):
+        vs = [chainer.Variable(a.copy(), requires_grad=w) for a, w in zip(arrays, wanted)]
+        y = conv(*vs, pad=1)
+        y.grad = gy
+        y.backward()
+        grads.append([v.grad for v in vs])
+    for ours, theirs, w in zip(*grads, wanted):
+        assert (ours is None) == (not w)
+        if w:
+            np.testing.assert_allclose(ours, theirs, rtol=1e-10, atol=1e-10)
+
+
+def test_pointwise_convolution_with_stride_check_backward():
+    r = _rng(7)
+    fn = lambda x, W: K.convolution_2d(x, W, stride=2)  # noqa: E731 (resnet20's projection)
+    inputs = (r.standard_normal((2, 3, 5, 6)), r.standard_normal((4, 3, 1, 1)))
+    gradient_check.check_backward(fn, inputs, r.standard_normal((2, 4, 3, 3)), dtype=np.float64,
+                                  atol=1e-5, rtol=1e-5)
+
+
+# ---- pooling -------------------------------------------------------------------------------
+
+pool_cases = st.tuples(
+    st.integers(1, 3), st.integers(1, 3), st.integers(1, 9), st.integers(1, 9),  # N, C, H, W
+    st.integers(1, 4), st.integers(1, 4), st.integers(1, 3), st.integers(1, 3),  # kh, kw, sy, sx
+    st.integers(0, 3), st.integers(0, 3), st.booleans(), st.booleans(),  # ph, pw, cover_all, ties
+    st.integers(0, 2**16))
+
+
+def _pool_input(case):
+    n, c, h, w, kh, kw, sy, sx, ph, pw, cover_all, ties, seed = case
+    r = _rng(seed)
+    if ties:  # few distinct values (as after ReLU on flat image regions): the tie rule shows
+        return r.integers(-1, 3, (n, c, h, w)).astype(np.float64)
+    return r.standard_normal((n, c, h, w))
+
+
+@EXAMPLES
+@given(pool_cases)
+def test_max_pooling_matches_chainer_ties_included(case):
+    n, c, h, w, kh, kw, sy, sx, ph, pw, cover_all, ties, seed = case
+    if ph >= kh or pw >= kw or h + 2 * ph < kh or w + 2 * pw < kw:
+        return  # windows of padding only (Chainer fills -inf), or no window at all
+    args = dict(ksize=(kh, kw), stride=(sy, sx), pad=(ph, pw), cover_all=cover_all)
+    _assert_same(lambda x: K.max_pooling_2d(x, **args),
+                 lambda x: F.max_pooling_2d(x, **args), [_pool_input(case)], seed, exact=True)
+
+
+@EXAMPLES
+@given(pool_cases)
+def test_max_pooling_without_graph_matches_chainer(case):
+    n, c, h, w, kh, kw, sy, sx, ph, pw, cover_all, ties, seed = case
+    if ph >= kh or pw >= kw or h + 2 * ph < kh or w + 2 * pw < kw:
+        return
+    args = dict(ksize=(kh, kw), stride=(sy, sx), pad=(ph, pw), cover_all=cover_all)
+    x = _pool_input(case)
+    with chainer.no_backprop_mode():  # inference: no argmax is kept
+        np.testing.assert_array_equal(K.max_pooling_2d(x, **args).array,
+                                      F.max_pooling_2d(x, **args).array)
+
+
+@EXAMPLES
+@given(pool_cases)
+def test_average_pooling_matches_chainer(case):
+    n, c, h, w, kh, kw, sy, sx, ph, pw, _, _, seed = case
+    if h + 2 * ph < kh or w + 2 * pw < kw:
+        return
+    args = dict(ksize=(kh, kw), stride=(sy, sx), pad=(ph, pw))
+    _assert_same(lambda x: K.average_pooling_2d(x, **args),
+                 lambda x: F.average_pooling_2d(x, **args), [_pool_input(case)], seed)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 8, 8), (2, 2, 7, 9), (1, 2, 3, 5)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_spatial_pyramid_pooling_matches_chainer(shape, ties):
+    r = _rng(sum(shape))
+    x = r.integers(0, 3, shape).astype(np.float64) if ties else r.standard_normal(shape)
+    _assert_same(lambda v: K.spatial_pyramid_pooling_2d(v, 3),
+                 lambda v: F.spatial_pyramid_pooling_2d(v, 3, pooling="max"), [x], 1, exact=True)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: K.max_pooling_2d(x, 3, stride=2, pad=1),
+    lambda x: K.max_pooling_2d(x, 2),
+    lambda x: K.average_pooling_2d(x, 3, stride=2, pad=1),
+    lambda x: K.spatial_pyramid_pooling_2d(x, 3),
+], ids=["max3s2p1", "max2", "avg3s2p1", "spp3"])
+def test_pooling_check_backward(fn):
+    # distinct values, far apart, so the max is unambiguous under the finite difference
+    x = _rng(3).permutation(2 * 3 * 8 * 8).reshape(2, 3, 8, 8) / 10.0
+    gy = _rng(4).standard_normal(fn(x).shape)
+    gradient_check.check_backward(fn, (x,), gy, dtype=np.float64, atol=1e-5, rtol=1e-5)
+
+
+# ---- layouts and dispatch ------------------------------------------------------------------
+
+def test_outputs_are_channels_last_views_and_any_input_layout_works():
+    r = _rng(5)
+    x = r.standard_normal((2, 3, 10, 12)).astype(np.float32)
+    W = r.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    y = K.convolution_2d(x, W, pad=1).array
+    assert y.shape == (2, 4, 10, 12) and y.transpose(0, 2, 3, 1).flags.c_contiguous
+    odd = x[:, :, ::2, 1:]  # neither NCHW- nor NHWC-contiguous
+    np.testing.assert_allclose(K.convolution_2d(odd, W, pad=1).array,
+                               F.convolution_2d(odd, W, pad=1).array, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(K.max_pooling_2d(y, 3, 2).array, F.max_pooling_2d(y, 3, 2).array)
+
+
+def test_config_switch_picks_the_kernels():
+    model = build_model("small-cnn", seed=0)
+    x = np.zeros((1, 3, 32, 32), np.float32)
+    assert isinstance(model.conv1(x).creator, K.Convolution2D)  # ours by default
+    with chainer.using_config("cpu_kernels", "chainer"):
+        assert not isinstance(model.conv1(x).creator, K.Convolution2D)
+        assert not isinstance(cpu_kernels.max_pooling_2d(x, 2).creator, K.MaxPooling2D)
+    assert isinstance(cpu_kernels.max_pooling_2d(x, 2).creator, K.MaxPooling2D)
+
+
+def test_double_backprop_is_refused_with_a_reason():
+    x = chainer.Variable(_rng(0).standard_normal((1, 1, 4, 4)))
+    y = F.sum(K.max_pooling_2d(x, 2) ** 2)
+    with pytest.raises(NotImplementedError, match="double backprop"):
+        chainer.grad([y], [x], enable_double_backprop=True)
+
+
+def test_bad_shapes_fail_chainer_type_check():
+    with pytest.raises(chainer.utils.type_check.InvalidType):
+        K.convolution_2d(np.zeros((1, 3, 5, 5), np.float32), np.zeros((2, 4, 3, 3), np.float32))
+
+
+# ---- models --------------------------------------------------------------------------------
+
+def _cast(model, dtype):
+    """All float parameters and statistics of ``model`` to ``dtype``."""
+    for link in model.links():
+        for name in list(link._params) + list(link._persistent):
+            value = getattr(link, name)
+            if isinstance(value, chainer.Parameter):
+                value.array = value.array.astype(dtype)
+            elif isinstance(value, np.ndarray) and value.dtype.kind == "f":
+                setattr(link, name, value.astype(dtype))
+    return model
+
+
+def _train(name, kernels, dtype=np.float32, steps=3, batch=8):
+    """A few momentum-SGD steps from seeded weights and data; -> (losses, final parameters).
+
+    Not Adam: its step is m / sqrt(v), which turns a last-bit difference in a near-zero gradient
+    into a full step of either sign.
+    """
+    model = _cast(build_model(name, seed=0), dtype)
+    opt = chainer.optimizers.MomentumSGD(lr=0.01)
+    opt.setup(model)
+    r = _rng(1)
+    losses = []
+    with chainer.using_config("train", True), chainer.using_config("cpu_kernels", kernels):
+        for step in range(steps):
+            x = r.standard_normal((batch, 3, 32, 32)).astype(dtype)
+            t = r.integers(0, 10, batch).astype(np.int32)
+            loss = F.softmax_cross_entropy(model(x, rng=np.random.default_rng(step)), t)
+            model.cleargrads()
+            loss.backward()
+            opt.update()
+            losses.append(float(loss.array))
+    state = {path: p.array.copy() for path, p in model.namedparams()}
+    state.update({f"{path}/avg_mean": link.avg_mean.copy() for path, link in model.namedlinks()
+                  if getattr(link, "avg_mean", None) is not None})
+    return losses, state
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "resnet20" else n
+                                  for n in sorted(MODELS)])
+def test_training_with_ours_matches_chainer_float64(name):
+    loss_c, params_c = _train(name, "chainer", np.float64)
+    loss_o, params_o = _train(name, "ours", np.float64)
+    np.testing.assert_allclose(loss_o, loss_c, rtol=1e-10)
+    for path in params_c:  # BatchNorm running means included
+        np.testing.assert_allclose(params_o[path], params_c[path], rtol=1e-8, atol=1e-11,
+                                   err_msg=path)
+
+
+# Not resnet20: its BatchNorm gradients cancel, so after 3 float32 steps Chainer itself is ~5% of
+# an update away from float64 here, and so are we (the float64 test above is its check).
+@pytest.mark.parametrize("name", ["cifar10-2015", "small-cnn"])
+def test_training_with_ours_matches_chainer_float32(name):
+    loss_c, params_c = _train(name, "chainer")
+    loss_o, params_o = _train(name, "ours")
+    np.testing.assert_allclose(loss_o, loss_c, rtol=1e-5)
+    for path in params_c:  # float32 sums in another order: a few ulps per step
+        np.testing.assert_allclose(params_o[path], params_c[path], rtol=1e-4, atol=1e-6,
+                                   err_msg=path)
+
+
+# ---- the switch from the command line to the task ------------------------------------------
+
+def test_cli_flag_reaches_the_config_and_bad_values_are_one_line(capsys, tmp_path):
+    from pipeline.cli import build_parser, main
+    from pipeline.commands import config_from_args
+    args = build_parser().parse_args(["train", "--cpu-kernels", "chainer"])
+    assert config_from_args(args).model.cpu_kernels == "chainer"
+    assert config_from_args(build_parser().parse_args(["train"])).model.cpu_kernels == "ours"
+    assert main(["train", "--cpu-kernels", "mkl", "--no-progress", "--out",
+                 str(tmp_path / "run")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "model.cpu_kernels" in errors[0]
+
+
+@pytest.mark.parametrize("kernels", ["ours", "chainer"])
+def test_train_and_evaluate_tasks_use_the_kernels_the_spec_names(kernels, monkeypatch):
+    from pipeline import tasks
+    from pipeline.cifar import synthetic_batch
+    calls = []
+    forward = K.Convolution2D.forward_cpu
+    monkeypatch.setattr(K.Convolution2D, "forward_cpu",
+                        lambda self, inputs: calls.append(1) or forward(self, inputs))
+    images, labels = synthetic_batch(0, "train", 0, 8)
+    params = tasks.init_params("small-cnn", 10, seed=0)
+    calls.clear()
+    spec = tasks.StepSpec("small-cnn", 10, "sgd", 0.9, 0.0, (0.01,), 8, "steps", 0, 0, 0,
+                          cpu_kernels=kernels)
+    tasks.train(params, None, tasks.Shard(images, labels), spec)
+    trained = len(calls)
+    tasks.evaluate(params, images, labels, tasks.EvalSpec("small-cnn", 10, cpu_kernels=kernels))
+    evaluated = len(calls) - trained
+    assert (trained > 0, evaluated > 0) == ((True, True) if kernels == "ours" else (False, False))
+
+
+# ---- batch normalization -------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (3, 16, 8, 8), (4, 5, 3, 7), (1, 2, 1, 1)])
+def test_batch_normalization_matches_chainer(shape):
+    r = _rng(shape[1])
+    x, gamma, beta = r.standard_normal(shape) * 3 + 1, r.standard_normal(shape[1]), \
+        r.standard_normal(shape[1])
+    gy = r.standard_normal(shape)
+    results = []
+    for fn in (F.batch_normalization, K.batch_normalization):
+        mean, var = np.zeros(shape[1]), np.ones(shape[1])
+        vs = [chainer.Variable(a.copy()) for a in (x, gamma, beta)]
+        with warnings.catch_warnings():  # Chainer warns about a batch of one sample
+            warnings.simplefilter("ignore")
+            y = fn(*vs, eps=2e-5, running_mean=mean, running_var=var, decay=0.9)
+        y.grad = gy
+        y.backward()
+        results.append([y.array, mean, var] + [v.grad for v in vs])
+    for ours, theirs in zip(results[1], results[0]):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-10, atol=1e-10)
+    with chainer.no_backprop_mode():  # inference with the running statistics
+        np.testing.assert_allclose(K.fixed_batch_normalization(x, gamma, beta, mean, var).array,
+                                   F.fixed_batch_normalization(x, gamma, beta, mean, var).array,
+                                   rtol=1e-10, atol=1e-10)
+
+
+def test_batch_normalization_check_backward():
+    r = _rng(9)
+    inputs = (r.standard_normal((3, 4, 3, 5)), r.standard_normal(4), r.standard_normal(4))
+    gradient_check.check_backward(K.batch_normalization, inputs, r.standard_normal((3, 4, 3, 5)),
+                                  dtype=np.float64, atol=1e-5, rtol=1e-5)
+
+
+def test_batch_normalization_link_dispatch_and_statistics():
+    from pipeline.compat import L
+    x = _rng(2).standard_normal((4, 3, 5, 5)).astype(np.float32)
+    ours, theirs = cpu_kernels.BatchNormalization(3), L.BatchNormalization(3)
+    with chainer.using_config("train", True):
+        y1, y0 = ours(x), theirs(x)
+    assert isinstance(y1.creator, K.BatchNormalization)
+    np.testing.assert_allclose(y1.array, y0.array, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ours.avg_mean, theirs.avg_mean, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(ours.avg_var, theirs.avg_var, rtol=1e-6, atol=1e-7)
+    with chainer.using_config("train", False):
+        with chainer.no_backprop_mode():  # inference: our fixed-statistics kernel
+            np.testing.assert_allclose(ours(x).array, theirs(x).array, rtol=1e-5, atol=1e-5)
+        assert not isinstance(ours(x).creator, K.FixedBatchNormalization)  # a graph: Chainer's
