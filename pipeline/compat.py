@@ -177,6 +177,30 @@ def _patch_batch_norm_reductions() -> None:
 _patch_batch_norm_reductions()
 
 
+def _patch_load_npz_without_pickles() -> None:
+    """``chainer.serializers.load_npz`` reads with ``numpy.load(allow_pickle=False)``.
+
+    Chainer 7.8.1 opens every ``.npz`` with ``allow_pickle=True``: an object array in the file, or
+    a bare pickle given the name ``.npz``, runs code when loaded (docs/reliability.md,
+    Hardening 1). Weights are plain numeric arrays, so nothing a real weights file holds is lost;
+    a pickled member now raises numpy's ``ValueError`` instead. Our own reader
+    (``pipeline.state.load_npz``) also checks names, shapes and sizes before reading.
+    """
+    import numpy
+    from chainer import serializers
+    from chainer.serializers import npz
+
+    def load_npz(file, obj, path="", strict=True, ignore_names=None):
+        with numpy.load(file, allow_pickle=False) as f:
+            npz.NpzDeserializer(f, path=path, strict=strict, ignore_names=ignore_names).load(obj)
+
+    load_npz.__doc__ = npz.load_npz.__doc__
+    npz.load_npz = serializers.load_npz = load_npz
+
+
+_patch_load_npz_without_pickles()
+
+
 def cuda_status(check_device: bool = False) -> str | None:
     """None when Chainer can train on CUDA here; otherwise one line that says why not.
 
