@@ -255,6 +255,7 @@ def _run_train(args) -> int:
         raise UsageError("--resume OUT continues OUT; do not also give a different --out")
     config = config_from_args(args)
     if config.out is None:
+        config.validate()  # a bad option is the one line, not after an output path
         config = config.replace(out=default_out(config.train.strategy))
         print(f"output: {config.out} (--out)", file=sys.stderr, flush=True)
     page = live.DashboardEvents(run=Path(config.out).name)  # the /training page of this run
