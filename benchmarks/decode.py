@@ -165,7 +165,8 @@ def epoch_config(folder: str, a, cache: str):
         "data.decode_chunk": 32, "model.name": "small-cnn", "train.strategy": "single",
         "train.replicas": 1, "train.batch_size": 64, "train.lr": 0.01, "train.epochs": 2,
         "average.mix_every": "4", "augment.policy": "resized-crop", "augment.prefetch": 2,
-        "seed": a.seed, "progress": False, "checkpoint_every": 0, "eval_every": 0})
+        "seed": a.seed, "progress": False, "checkpoint_every": 0, "eval_every": 0,
+        "model.cpu_kernels": a.cpu_kernels})
 
 
 def second_epoch_seconds(history) -> float:
@@ -179,7 +180,7 @@ def loading_alone(client, cfg) -> float:
 
     from pipeline import graph
     from pipeline.data import load_dataset
-    from pipeline.schedule import plan_rounds, round_period, steps_per_epoch
+    from pipeline import strategies
     ds = load_dataset(cfg.data.source, cfg.data)
     data = graph.persist_dataset(client, ds)
     assert data.stream is not None, "expected the uncached path"
@@ -187,9 +188,8 @@ def loading_alone(client, cfg) -> float:
     g = graph.RoundGraph(client, data, cfg, n_classes=ds.n_classes, device="@numpy",
                          train_resources=None, augment_resources=None)
     t = cfg.train
-    per_epoch = steps_per_epoch(data.n_train, t.replicas, t.batch_size)
-    rounds = plan_rounds(data.n_train, t.replicas, t.batch_size, 1.0,
-                         round_period(t.strategy, cfg.average.period(per_epoch)), t.strategy)
+    one_epoch = cfg.replace(**{"train.epochs": 1.0})
+    rounds, _, _ = strategies.get(t.strategy).plan(one_epoch, data.n_train)
     start = time.perf_counter()
     futures = [g.submit_augment(r, k, t.replicas, t.batch_size) for r in rounds
                for k in range(t.replicas)]
@@ -245,6 +245,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", default=None, help="write (or reuse) the folder here, not a temp dir")
+    p.add_argument("--cpu-kernels", default="ours", choices=["ours", "chainer"],
+                   help="the epoch part's convolution/pooling on CPU: ours or Chainer's")
     p.add_argument("--parts", default="decoders,graph,epoch", help="which measurements to run")
     a = p.parse_args(argv)
     parts = set(a.parts.split(","))
