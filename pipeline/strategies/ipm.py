@@ -1,8 +1,9 @@
 """``ipm``: Iterative Parameter Mixture. Each replica takes H local steps from the shared
 parameters, the run's averaging algorithm (``--average``: a tree, or sharded/hierarchical across
 hosts) takes their exact mean, and an optional outer optimizer steps on it (DiLoCo's outer
-Nesterov momentum) next to replica 0, whose result the algorithm broadcasts. The replicas' optimizer state is kept, reset or averaged
-at each mix (``average.optimizer_state``); both live here, not in the graph or the averaging math.
+Nesterov momentum) next to replica 0, whose result the algorithm broadcasts. The replicas'
+optimizer state is kept, reset or averaged at each mix (``average.optimizer_state``); both live
+here, not in the graph or the averaging math.
 """
 from __future__ import annotations
 

@@ -270,3 +270,32 @@ def test_training_on_hosts_gives_the_weights_of_the_tree_on_one_host(process_cli
                 log=logs.append)
     assert same_bytes(out.params, reference.params)
     assert "average: hierarchical, 4 replica(s) on 3 host(s), 3 shard(s)" in logs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, changes, algorithm", [
+    ("gradient", {"train.optimizer": "momentum"}, "sharded"),
+    ("mixture", {"eval_every": 1}, "hierarchical"),
+    ("ipm", {"train.optimizer": "adam", "average.optimizer_state": "average",
+             "checkpoint_every": 1}, "sharded"),
+], ids=["gradient", "mixture", "ipm-adam-averaged-state"])
+def test_every_averaging_strategy_on_hosts_gives_the_weights_of_one_host(
+        process_client, monkeypatch, tmp_path, strategy, changes, algorithm):
+    """Each strategy's averages through the seam: gradient's mean and broadcast of the update,
+    mixture's mid-run model and final allreduce, ipm's packed optimizer state (``prepare``) and
+    its broadcast after every checkpoint's scatter."""
+    from pipeline.training import train
+    cfg = _train_config(**{"train.strategy": strategy, "average.mix_every": "2", **changes})
+    if cfg.checkpoint_every:
+        cfg = cfg.replace(out=str(tmp_path / "one"))
+    reference = train(cfg, client=process_client, log=lambda m: None)
+    monkeypatch.setattr(averaging_algorithms, "workers_by_host", _fake_hosts)
+    logs = []
+    moved = cfg.replace(**{"average.algorithm": algorithm}, **(
+        {"out": str(tmp_path / "hosts")} if cfg.checkpoint_every else {}))
+    out = train(moved, client=process_client, log=logs.append)
+    assert same_bytes(out.params, reference.params)
+    accuracy = [h.get("test_acc") for h in reference.history]
+    assert [h.get("test_acc") for h in out.history] == accuracy
+    assert any(line.startswith(f"average: {algorithm}, 4 replica(s) on 3 host(s)")
+               for line in logs), logs
