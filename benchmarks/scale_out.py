@@ -257,7 +257,9 @@ def summarise(results: list[dict], args) -> dict:
             fractions.setdefault(name, {})[k] = round(moved / row["s"] / r["rate_Bps"], 3)
             model.setdefault(name, {})[k] = round((row["predicted_s"] - row["s"]) / row["s"], 3)
             cpu.setdefault(name, {})[k] = round(row["cpu_cores"], 3)
-    best = {k: max(f[k] for f in fractions.values()) for k in next(iter(fractions.values()))}
+    # a host count may have run only some algorithms (--algorithms): best of those it ran
+    counts = sorted({k for f in fractions.values() for k in f})
+    best = {k: max(f[k] for f in fractions.values() if k in f) for k in counts}
     worst_k = min(best, key=best.get)
     ipm = {r["hosts"]: r["ipm"] for r in results if "ipm" in r}
     ipm_err = {k: round((v["predicted_s"] - v["measured_s"]) / v["measured_s"], 3)
@@ -266,7 +268,8 @@ def summarise(results: list[dict], args) -> dict:
             "state_mb": round(results[0]["bytes"] / MB, 1),
             "min_fraction_of_link": best[worst_k],
             "worst_case": {"hosts": worst_k,  # keys below are host counts
-                           "algorithm": max(fractions, key=lambda n: fractions[n][worst_k])},
+                           "algorithm": max((n for n in fractions if worst_k in fractions[n]),
+                                         key=lambda n: fractions[n][worst_k])},
             "sharded_min_fraction": min(fractions["sharded"].values())
             if "sharded" in fractions else None,
             "model_max_rel_error": max(map(abs, ipm_err.values())) if ipm_err else None,
