@@ -23,9 +23,9 @@ and, from the head namespace where the scheduler runs:
 The last line is one JSON object: ``min_fraction_of_link`` (best algorithm at the worst host
 count), ``model_max_rel_error`` (ipm rounds), per-host-count figures. Needs root and iproute2.
 
-    flock /work/cpu.lock .venv/bin/python benchmarks/scale_out.py            # ~10 min
+    flock /work/cpu.lock .venv/bin/python benchmarks/scale_out.py            # ~20 min
     .venv/bin/python benchmarks/scale_out.py --hosts 2 --mb 20 --rounds 4    # ~1 min
-    # the same in three shorter exclusive sections, then one summary:
+    # the same in three shorter exclusive sections (about 4, 7 and 8+ min), then one summary:
     for h in 2 4 8; do flock /work/cpu.lock .venv/bin/python benchmarks/scale_out.py \
         --hosts $h --save /tmp/scale_out-$h.json; done
     .venv/bin/python benchmarks/scale_out.py --merge /tmp/scale_out-{2,4,8}.json
