@@ -43,6 +43,42 @@ ALGOS = {"ring": dict(algorithm="ring"),
          "tree/star": dict(algorithm="tree", fan_in=2, broadcast="star"),
          "tree/binomial": dict(algorithm="tree", fan_in=2, broadcast="binomial")}
 WORKERS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+# The averaging algorithms of pipeline/averaging_algorithms across hosts, each with the shard
+# count the model finds fastest (scaling.best_shards; a shard per host until the task count
+# costs more than the bytes). "per host": one worker per host and link, as above; "4/host": seed
+# 001's nodes, four workers sharing a host's link, the tree's fan-in 4 matching them.
+HOSTED = {"tree/binomial": dict(algorithm="tree", broadcast="binomial"),
+          "sharded": dict(algorithm="sharded"), "hierarchical": dict(algorithm="hierarchical")}
+PER_HOST = {"1/host": 1, "4/host": 4}
+
+
+def hosted(link, series, algo, p, per_host) -> tuple[float, int | None]:
+    """(speedup, shards) of one of our algorithms with ``per_host`` workers per host."""
+    hosts = max(1, p // per_host)
+    kw = dict(HOSTED[algo], fan_in=4 if per_host > 1 else 2, hosts=hosts)
+    shards = None
+    if algo != "tree/binomial":
+        shards, _ = scaling.best_shards(RESNET50.model_bytes, p, link, TREE_LOCAL,
+                                        algorithm=kw["algorithm"], hosts=hosts,
+                                        fan_in=kw["fan_in"])
+        kw["shards"] = shards
+    return speedup(RESNET50, p, link, TREE_LOCAL, **SERIES[series], **kw), shards
+
+
+def hosted_table(link_name: str, per_host: str) -> str:
+    link, n = LINKS[link_name], PER_HOST[per_host]
+    cols = [(s, a) for a in HOSTED for s in SERIES]
+    lines = [f"Speedup over one worker with our averaging graphs, {link_name}, {per_host} "
+             "(S: shards the model picks):", "",
+             "| workers | " + " | ".join(f"{s} ({a})" for s, a in cols) + " | S |",
+             "|---:|" + "---:|" * (len(cols) + 1)]
+    for p in WORKERS:
+        if p < n:
+            continue
+        cells = [hosted(link, s, a, p, n) for s, a in cols]
+        lines.append(f"| {p} | " + " | ".join(f"{v:.1f}" for v, _ in cells)
+                     + f" | {cells[-1][1]} |")
+    return "\n".join(lines)
 
 
 def predict(link, series, algo, p) -> float:
@@ -102,11 +138,17 @@ def main(argv=None) -> dict:
     print(f"Local costs: ring {RING_LOCAL}\n             tree {TREE_LOCAL}\n")
     for name in LINKS:
         print(table(name) + "\n")
+    for name in LINKS:
+        for per_host in PER_HOST:
+            print(hosted_table(name, per_host) + "\n")
     if args.plot:
         plot(REPO / args.plot)
         print(f"plot: {args.plot}")
     at = {name: {f"{s} ({a})": round(predict(link, s, a, 256), 2) for a in ALGOS for s in SERIES}
           for name, link in LINKS.items()}
+    for name, link in LINKS.items():
+        at[name].update({f"{s} ({a}, {ph})": round(hosted(link, s, a, 256, n)[0], 2)
+                         for ph, n in PER_HOST.items() for a in HOSTED for s in SERIES})
     result = {"bench": "scaling", "seed001_max_rel_error": round(check["max_rel_error"], 4),
               "seed001": {str(n): {k: round(v, 4) for k, v in row.items()}
                           for n, row in check["nodes"].items()},

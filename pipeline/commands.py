@@ -26,7 +26,7 @@ _TRAIN_OPTIONS = [
     ("--cache", "data.cache", str, "MODE", "keep decoded images on the workers: auto (if they "
      "fit) | on | off", ""),
     ("--model", "model.name", str, "NAME", "small-cnn (15 k parameters, fast on a CPU) | resnet20 "
-     "| cifar10-2015", ""),
+     "| cifar10-2015 | wide-mlp (a 100.9 MB state for communication experiments)", ""),
     ("--cpu-kernels", "model.cpu_kernels", str, "KIND", "ours | chainer: convolution, pooling "
      "and BatchNorm on CPU workers by our NumPy kernels or Chainer's functions", ""),
     ("--strategy", "train.strategy", str, "NAME", "single (one replica) | gradient (one step on "
@@ -57,6 +57,13 @@ _TRAIN_OPTIONS = [
      "each replica's optimizer state at an average", ""),
     ("--fan-in", "average.fan_in", int, "N", "inputs per average- task of the averaging tree",
      "inputs"),
+    ("--average", "average.algorithm", str, "ALGORITHM", "auto (the tree on one host, the cost "
+     "model's fastest across hosts) | tree | sharded (reduce-scatter + all-gather) | hierarchical "
+     "(each host adds its own replicas first); all give the same bits", ""),
+    ("--shards", "average.shards", int, "S", "sharded/hierarchical: shards of the state (0: one "
+     "per host, one per worker on one host)", "shards"),
+    ("--link-gbps", "average.link_gbps", float, "GBPS", "link rate between hosts that --average "
+     "auto's cost model assumes", "Gb/s"),
     ("--augment", "augment.policy", str, "POLICY", "none | flip | cifar (pad-crop and flip) | "
      "cifar-cutout | resized-crop (image folders)", ""),
     ("--beta1", "train.beta1", float, "B", "Adam's first-moment decay", ""),

@@ -15,6 +15,7 @@ DEVICES = ("cpu", "gpu", "auto")
 OPT_STATE_MODES = ("auto", "keep", "reset", "average")
 LR_SCALINGS = ("auto", "none", "linear", "sqrt")
 CPU_KERNELS = ("ours", "chainer")
+AVERAGE_ALGORITHMS = ("auto", "tree", "sharded", "hierarchical")
 
 
 MAX_EPOCHS = 100_000.0
@@ -207,6 +208,10 @@ class AverageConfig:
     #                                     (1..K); None: the strategy's recipe (off otherwise)
     optimizer_state: str = "auto"  # keep | reset | average the replicas' optimizer state at a
     #                                mix; auto: the strategy's recipe (keep unless it says)
+    algorithm: str = "auto"  # auto | tree | sharded | hierarchical (pipeline.averaging_algorithms);
+    #                          auto: tree on one host, else the cost model's fastest. Same bits.
+    shards: int = 0  # S of sharded/hierarchical: 0 = one per host (one per worker on one host)
+    link_gbps: float = 10.0  # link rate between hosts that auto's cost model assumes, Gb/s
 
     def validate(self) -> None:
         _check_types(self, "average.")
@@ -224,6 +229,10 @@ class AverageConfig:
                self.outer_momentum)
         _check(self.optimizer_state in OPT_STATE_MODES, "average.optimizer_state",
                f"must be one of {OPT_STATE_MODES}", self.optimizer_state)
+        _check(self.algorithm in AVERAGE_ALGORITHMS, "average.algorithm",
+               f"must be one of {AVERAGE_ALGORITHMS}", self.algorithm)
+        _in(self.shards, 0, 1024, "average.shards")  # tasks per average grow with S
+        _in(self.link_gbps, 0, 10_000, "average.link_gbps", closed_lo=False)
 
     def period(self, steps_per_epoch: int) -> int:
         """H in local steps: "10" -> 10, "2ep" -> 2 * steps_per_epoch."""

@@ -14,19 +14,14 @@ from typing import NamedTuple
 import distributed
 import numpy as np
 
-from pipeline import averaging, keys, tasks
+from pipeline import averaging_algorithms, keys, tasks
 from pipeline.augment_graph import augment
-from pipeline.reduction import tree_reduce
 from pipeline.schedule import Round, epoch_permutation, shard_positions
 
 
 def pick(result, field: int):
     """One field of a task's tuple result, as its own key so consumers fetch only that part."""
     return result[field]
-
-
-def _average_leaf(payload: dict):
-    return averaging.leaf(payload, 1)
 
 
 class Persisted(NamedTuple):
@@ -94,17 +89,65 @@ class RoundGraph:
         self.payload_bytes = payload_bytes  # bytes of one replica's parameters
         self._perms: dict[int, np.ndarray] = {}
         self._workers: list | None = None  # worker addresses by name, for pin_replicas
+        self.averaged_bytes = payload_bytes  # bytes per replica an average adds (auto weighs)
+        self._plan: averaging_algorithms.Plan | None = None
 
     def for_attempt(self) -> "RoundGraph":
-        """The same graph builder under a fresh key token."""
-        return RoundGraph(self.client, self.data, self.config, n_classes=self.n_classes,
-                          device=self.device, train_resources=self.train_resources,
-                          augment_resources=self.augment_resources,
-                          payload_bytes=self.payload_bytes, watchdog=self.watchdog)
+        """The same graph builder under a fresh key token (and a fresh averaging plan: workers
+        may have come or gone)."""
+        fresh = RoundGraph(self.client, self.data, self.config, n_classes=self.n_classes,
+                           device=self.device, train_resources=self.train_resources,
+                           augment_resources=self.augment_resources,
+                           payload_bytes=self.payload_bytes, watchdog=self.watchdog)
+        fresh.averaged_bytes = self.averaged_bytes
+        return fresh
+
+    # ---- where replicas live and how they average ----------------------------------------
+    def average_plan(self) -> averaging_algorithms.Plan:
+        """The averaging algorithm and the replicas' placement (``average.algorithm``; auto
+        weighs ``averaged_bytes``), made once per attempt for the workers it sees then."""
+        if self._plan is None:
+            self._plan = averaging_algorithms.plan(
+                self.client, self.config.average, self.config.train.replicas,
+                self.averaged_bytes or None, self.train_resources)
+        return self._plan
+
+    def _average(self, *coords):
+        """(algorithm module, context) of an average keyed ``("average-<token>", *coords, ...)``."""
+        plan = self.average_plan()
+        ctx = averaging_algorithms.context(plan, self.client, self.token, coords,
+                                           self.config.average.fan_in, self.config.train.replicas)
+        return averaging_algorithms.get(plan.algorithm), ctx
+
+    def mean(self, round_index: int, payloads: list, prepare=None):
+        """Future of the payloads' exact mean (float64 sums in the fixed order of
+        ``pipeline.reduce_order``, divided once, cast back), on replica 0's worker when replicas
+        are placed. ``prepare`` turns a payload into the state dict to average, where it is
+        consumed (default: the payload is one)."""
+        algorithm, ctx = self._average(round_index)
+        with distributed.span("average"):
+            return algorithm.reduce(ctx._replace(prepare=prepare), payloads)
+
+    def allreduce(self, round_index: int, payloads: list, prepare=None) -> list:
+        """Per-replica futures of the mean, each where its replica will read it."""
+        algorithm, ctx = self._average(round_index)
+        with distributed.span("average"):
+            return algorithm.allreduce(ctx._replace(prepare=prepare), payloads)
+
+    def broadcast(self, round_index: int, value, what: str = "params") -> list:
+        """Per-replica futures of ``value`` (made on replica 0's worker): the algorithm's
+        broadcast, one copy per host. Keyed ``("average-<token>", round, what, ...)``."""
+        algorithm, ctx = self._average(round_index, what)
+        with distributed.span("average"):
+            return algorithm.broadcast(ctx, value)
 
     def _pinned(self, replica: int) -> dict:
-        """``submit`` arguments that keep replica k on worker k mod W (workers sorted by name),
-        as a rank stays on its GPU; a soft preference, so a lost worker's replica moves on."""
+        """``submit`` arguments that keep replica k where the averaging plan placed it, or with
+        ``cluster.pin_replicas`` on worker k mod W (workers sorted by name), as a rank stays on
+        its GPU; a soft preference, so a lost worker's replica moves on."""
+        placement = self.average_plan().placement
+        if placement is not None:
+            return dict(workers=[placement.replica_worker[replica]], allow_other_workers=True)
         if not self.config.cluster.pin_replicas:
             return {}
         if self._workers is None:
@@ -122,17 +165,20 @@ class RoundGraph:
         return self.client.submit(func, *args, key=key, pure=False, resources=resources)
 
     def submit(self, func, *args, stage: str, coords: tuple = (), fields: tuple | None = None,
-               train: bool = False):
+               train: bool = False, pin: int | None = None):
         """Submit ``func(*args)`` as ``(stage-token, *coords)`` inside a span named ``stage``.
 
         ``fields``: names of the fields of a tuple result; each becomes its own small task
         ``(stage-token, *coords, name)`` so consumers fetch only that part; returns their
-        futures. ``train``: ask for the train resources (a GPU).
+        futures. ``train``: ask for the train resources (a GPU). ``pin``: run where replica
+        ``pin`` lives (see ``_pinned``), e.g. next to the mean that ``mean`` left there.
         """
         resources = self.train_resources if train else None
+        where = self._pinned(pin) if pin is not None else {}
         with distributed.span(stage):
             key = self.key(stage, *coords)
-            fut = self.client.submit(func, *args, key=key, pure=False, resources=resources)
+            fut = self.client.submit(func, *args, key=key, pure=False, resources=resources,
+                                     **where)
             if fields is None:
                 return fut
             return tuple(self.client.submit(pick, fut, i, key=(*key, name), pure=False)
@@ -176,17 +222,6 @@ class RoundGraph:
                           for i, name in enumerate(("params", "opt", "metrics")))
             return (*picks, fut)
 
-    def tree_mean(self, round_index: int, payloads: list, leaf=None):
-        """The payloads' exact mean (float64 sums, divided once at the root, cast back), as a
-        tree of ``average-`` tasks in input order with ``average.fan_in`` children each.
-        ``leaf`` turns an input into a ``Partial`` (default: the state dict itself, weight 1)."""
-        with distributed.span("average"):
-            return tree_reduce(self.client, payloads, averaging.combine, averaging.finalize,
-                               fan_in=self.config.average.fan_in, name="average",
-                               token=self.token, coords=(round_index,),
-                               leaf=leaf or _average_leaf,
-                               combine_finalize=averaging.combine_finalize)
-
     def submit_evaluate(self, rnd_index: int, params, spec: tasks.EvalSpec) -> list:
         with distributed.span("evaluate"):
             return [self.client.submit(tasks.evaluate, params, images, labels, spec,
@@ -195,9 +230,17 @@ class RoundGraph:
                     for i, (images, labels) in enumerate(zip(self.data.test_images,
                                                              self.data.test_labels))]
 
-    def scatter(self, value):
-        """Put a host value on the cluster as a root with no lineage (checkpoints, resumes)."""
-        return self.client.scatter([value], hash=False)[0]
+    def scatter(self, value, replica: int | None = None):
+        """Put a host value on the cluster as a root with no lineage (checkpoints, resumes), on
+        ``replica``'s worker when replicas are placed."""
+        where = self._pinned(replica).get("workers") if replica is not None else None
+        return self.client.scatter([value], hash=False, workers=where)[0]
+
+    def scatter_shared(self, value, round_index: int, what: str = "scatter") -> list:
+        """A value every replica starts round ``round_index`` from (the shared parameters):
+        put on replica 0's worker, then sent on by the averaging algorithm's broadcast (one copy
+        per host, not one per replica from the driver). Per-replica futures."""
+        return self.broadcast(round_index, self.scatter(value, replica=0), what)
 
     def gather(self, futures):
         """Host values of (nested lists of) futures: the driver's one way to wait. While it

@@ -2,7 +2,8 @@
 
 Every model runs at any input size of at least 16 x 16 (CIFAR's 32, image folders' --image-size):
 spatial pyramid pooling (cifar10-2015), global average pooling (resnet20) or average pooling to a
-fixed 4 x 4 grid (small-cnn) make the classifier's input independent of it, so a model's
+fixed grid (4 x 4 in small-cnn, the 32 x 32 input of wide-mlp) make the classifier's input
+independent of it, so a model's
 parameters are the same at every size and 32 x 32 runs exactly as before.
 
 Models hold no training logic. Randomness is explicit: initial weights come from the RandomState
@@ -146,10 +147,30 @@ class ResNet20(chainer.Chain):
         return self.fc(F.mean(h, axis=(2, 3)))
 
 
+class WideMLP(chainer.Chain):
+    """A 100 MB state for communication experiments: 3072-3712-3712-classes, ReLU, 25.2 M
+    parameters, 100.9 MB in float32 (seed 001's ResNet-50 averages 102.2 MB). About 150 MFLOP
+    per image forward and backward, so its rounds on a CPU are short next to moving 100 MB
+    between hosts (benchmarks/scale_out.py)."""
+
+    def __init__(self, n_classes: int = 10, rng: np.random.RandomState | None = None,
+                 width: int = 3712):
+        super().__init__()
+        with self.init_scope():
+            self.fc1 = L.Linear(3 * 32 * 32, width, initialW=I.HeNormal(rng=rng))
+            self.fc2 = L.Linear(width, width, initialW=I.HeNormal(rng=rng))
+            self.fc3 = L.Linear(width, n_classes, initialW=I.LeCunNormal(rng=rng))
+
+    def forward(self, x, rng: np.random.Generator | None = None):
+        h = F.relu(self.fc1(_average_to(x, 32)))  # 32 x 32 at any input size
+        return self.fc3(F.relu(self.fc2(h)))
+
+
 MODELS: dict[str, Callable[..., chainer.Chain]] = {
     "cifar10-2015": Cifar2015,
     "resnet20": ResNet20,
     "small-cnn": SmallCNN,
+    "wide-mlp": WideMLP,
 }
 
 

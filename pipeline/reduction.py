@@ -29,29 +29,7 @@ from functools import partial
 
 from dask.utils import key_split
 
-
-def tree_plan(n: int, fan_in: int) -> list[list[tuple[int, ...]]]:
-    """Groups per level; each group lists its children's positions in the level below.
-
-    Level 0's positions are input indices; level l+1's are positions in level l's list of
-    groups. The last level has one group: the root.
-
-    >>> tree_plan(5, 2)
-    [[(0, 1), (2, 3), (4,)], [(0, 1), (2,)], [(0, 1)]]
-    >>> tree_plan(3, 4)
-    [[(0, 1, 2)]]
-    """
-    if n < 1:
-        raise ValueError(f"a tree reduction needs at least one input, got {n}")
-    if int(fan_in) != fan_in or fan_in < 2:
-        raise ValueError(f"fan_in must be an integer >= 2, got {fan_in!r}")
-    levels, width = [], n
-    while True:
-        groups = [tuple(range(s, min(s + fan_in, width))) for s in range(0, width, fan_in)]
-        levels.append(groups)
-        if len(groups) == 1:
-            return levels
-        width = len(groups)
+from pipeline.reduce_order import tree_plan
 
 
 def _node(*children, raw: tuple[bool, ...], reduce: Callable, leaf: Callable | None):
@@ -70,22 +48,24 @@ def _root_fn(combine, finalize, combine_finalize):
 
 
 def _build(inputs: Sequence, fan_in: int, make: Callable):
-    """Walk ``tree_plan`` and call ``make(level, index, children, raw, is_root)`` per task."""
-    nodes, raw = list(inputs), [True] * len(inputs)
+    """Walk ``tree_plan`` and call ``make(level, index, children, raw, is_root, first)`` per
+    task, ``first`` being the index of the first input under it."""
+    nodes, raw, firsts = list(inputs), [True] * len(inputs), list(range(len(inputs)))
     plan = tree_plan(len(nodes), fan_in)
     for level, groups in enumerate(plan):
         is_root = level == len(plan) - 1
-        next_nodes, next_raw = [], []
+        next_nodes, next_raw, next_firsts = [], [], []
         for index, group in enumerate(groups):
+            next_firsts.append(firsts[group[0]])
             if len(group) == 1 and not is_root:  # hand a lone child up unchanged
                 next_nodes.append(nodes[group[0]])
                 next_raw.append(raw[group[0]])
                 continue
             children = [nodes[i] for i in group]
             flags = tuple(raw[i] for i in group)
-            next_nodes.append(make(level, index, children, flags, is_root))
+            next_nodes.append(make(level, index, children, flags, is_root, firsts[group[0]]))
             next_raw.append(False)
-        nodes, raw = next_nodes, next_raw
+        nodes, raw, firsts = next_nodes, next_raw, next_firsts
     return nodes[0]
 
 
@@ -98,7 +78,7 @@ def reduce_local(inputs: Sequence, combine: Callable, finalize: Callable, *, fan
     """
     root = _root_fn(combine, finalize, combine_finalize)
 
-    def make(level, index, children, raw, is_root):
+    def make(level, index, children, raw, is_root, first):
         return _node(*children, raw=raw, reduce=root if is_root else combine, leaf=leaf)
     return _build(inputs, fan_in, make)
 
@@ -118,7 +98,7 @@ def _prefix(name: str, token: str) -> str:
 def tree_reduce(client, futures: Sequence, combine: Callable, finalize: Callable, *,
                 fan_in: int, name: str = "average", token: str, coords: tuple = (),
                 leaf: Callable | None = None, resources: dict | None = None,
-                combine_finalize: Callable | None = None):
+                combine_finalize: Callable | None = None, workers: Sequence[str] | None = None):
     """Submit a tree of ``combine`` tasks over ``futures``; the root applies ``finalize``.
 
     ``futures``: K futures (or values) in replica-index order; each group of ``fan_in``
@@ -128,7 +108,9 @@ def tree_reduce(client, futures: Sequence, combine: Callable, finalize: Callable
     ``combine_finalize(...)`` when given (a fused equivalent such as
     ``averaging.combine_finalize``, which never materialises the float64 sums at the root).
     ``coords`` are ints or strs (dask keys allow no bools). ``resources`` goes to every
-    ``client.submit``. Returns the root's future.
+    ``client.submit``. ``workers``: the worker of each input; a task then runs on the worker of
+    its first input when that worker is alive (as an MPI tree reduce runs node (l, i) on the
+    rank of its first leaf), else anywhere. Returns the root's future.
 
     With ``combine=averaging.combine`` and ``finalize=averaging.finalize`` this is the exact
     mean of the states; for float32 states it equals ``finalize(combine(states))`` bit for bit
@@ -139,8 +121,9 @@ def tree_reduce(client, futures: Sequence, combine: Callable, finalize: Callable
         raise ValueError("tree_reduce needs at least one future, got none")
     root = _root_fn(combine, finalize, combine_finalize)
 
-    def make(level, index, children, raw, is_root):
+    def make(level, index, children, raw, is_root, first):
         task = partial(_node, raw=raw, reduce=root if is_root else combine, leaf=leaf)
+        pin = dict(workers=[workers[first]], allow_other_workers=True) if workers else {}
         return client.submit(task, *children, key=(prefix, *coords, level, index), pure=False,
-                             resources=resources)
+                             resources=resources, **pin)
     return _build(futures, fan_in, make)

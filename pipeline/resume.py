@@ -20,6 +20,9 @@ RESUMABLE = frozenset({"cluster", "out", "progress", "tensorboard", "csv"})
 # Fields a resume may change to train a run longer: ``--resume OUT --epochs N``; and fields the
 # data decides (the class count: data.* is compared, and config.json records what the data said).
 EXTENDABLE = frozenset({("train", "epochs"), ("model", "n_classes")})
+# How the replicas' mean travels between hosts: every averaging algorithm gives the same bits
+# (pipeline.reduce_order), so a run may resume on another cluster with another one.
+TRANSPORT = frozenset({("average", "algorithm"), ("average", "shards"), ("average", "link_gbps")})
 
 
 class Resume(NamedTuple):
@@ -37,7 +40,7 @@ def comparable(config_dict: dict) -> dict:
     {'seed': 1, 'train': {'lr': 0.1}}
     """
     kept = {k: v for k, v in config_dict.items() if k not in RESUMABLE}
-    for section, key in EXTENDABLE:
+    for section, key in EXTENDABLE | TRANSPORT:
         if isinstance(kept.get(section), dict):
             kept[section] = {k: v for k, v in kept[section].items() if k != key}
     return kept

@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass
 
 STRATEGIES = ("gradient", "ipm")
-ALGORITHMS = ("ring", "tree")
+ALGORITHMS = ("ring", "tree", "sharded", "hierarchical")
 BROADCASTS = ("star", "binomial")
 
 
@@ -66,11 +66,17 @@ class LocalCosts:
     finalize_s_per_byte: float = 0.0  # g_f: divide + cast back, s per model byte
     copy_s_per_byte: float = 0.0  # c: per-round copies off the network (PCIe, NCCL), s/B
     task_s: float = 0.0  # tau: scheduling cost per task level (0 for MPI/NCCL), s
+    gather_s_per_byte: float = 0.0  # g_a: assemble shards into one state (a copy), s per byte
+    per_task_s: float = 0.0  # sigma: scheduler time per task of a burst that becomes ready at once
+    host_bandwidth: float = math.inf  # B_h: worker to worker inside one host (loopback), bytes/s
 
     def __post_init__(self):
-        for name in ("reduce_s_per_byte", "finalize_s_per_byte", "copy_s_per_byte", "task_s"):
+        for name in ("reduce_s_per_byte", "finalize_s_per_byte", "copy_s_per_byte", "task_s",
+                     "gather_s_per_byte", "per_task_s"):
             _check(getattr(self, name) >= 0, f"local.{name}", "must be >= 0",
                    getattr(self, name))
+        _check(self.host_bandwidth > 0, "local.host_bandwidth", "must be > 0 bytes/s",
+               self.host_bandwidth)
 
 
 @dataclass(frozen=True)
@@ -147,10 +153,13 @@ def tree_widths(p: int, fan_in: int) -> list[int]:
 
 def tree_allreduce_time(nbytes: float, p: int, link: Link, local: LocalCosts = LocalCosts(),
                         *, fan_in: int = 2, partial_factor: float = 2.0,
-                        broadcast: str = "star") -> float:
+                        broadcast: str = "star", hosts: int | None = None) -> float:
     """Seconds for the ``average-`` tree reduce plus the broadcast of the result to all p.
 
     ``partial_factor``: bytes of a partial sum over bytes of a state (float64 over float32).
+    ``hosts``: spread the p workers over this many hosts, as the graph places them on a cluster
+    (tree nodes on the worker of their first replica, the binomial broadcast host to host, one
+    copy per host); None keeps the one-worker-per-link formula above.
 
     >>> tree_allreduce_time(1e9, 2, Link(bandwidth=1e9, latency=0.0))
     2.0
@@ -158,6 +167,8 @@ def tree_allreduce_time(nbytes: float, p: int, link: Link, local: LocalCosts = L
     _check(broadcast in BROADCASTS, "broadcast", f"must be one of {BROADCASTS}", broadcast)
     if p == 1:
         return 0.0
+    if hosts is not None:
+        return _tree_on_hosts(nbytes, p, link, local, fan_in, partial_factor, broadcast, hosts)
     total = 0.0
     for level, width in enumerate(tree_widths(p, fan_in)):
         group = min(fan_in, width)
@@ -170,13 +181,205 @@ def tree_allreduce_time(nbytes: float, p: int, link: Link, local: LocalCosts = L
     return total + nbytes * local.copy_s_per_byte
 
 
+# ---- algorithms on a cluster of hosts: per-link byte counts from the graph's own placement ---
+
+def model_placement(p: int, hosts: int):
+    """p workers over ``hosts`` hosts as evenly as they go, one replica each, placed as the
+    graph places them (``pipeline.placement.place``).
+
+    >>> model_placement(5, 2).replica_host
+    (0, 0, 0, 1, 1)
+    """
+    from pipeline.placement import place
+    _validate(p)
+    _check(int(hosts) == hosts and 1 <= hosts <= p, "hosts", f"must be an integer in 1..{p}",
+           hosts)
+    per = [p // hosts + (1 if h < p % hosts else 0) for h in range(hosts)]
+    return place({f"{h:06d}": [f"{h:06d}/{j:06d}" for j in range(n)]
+                  for h, n in enumerate(per)}, p)
+
+
+def _transfer(up: list, down: list, link: Link, local: LocalCosts, one_host: bool) -> float:
+    """Seconds of one phase given bytes each host sends and receives: the busiest link, or on a
+    single host the loopback carrying all of it."""
+    if one_host:
+        return sum(up) / local.host_bandwidth
+    return link.latency + max(max(up), max(down)) / link.bandwidth
+
+
+def _shard_hosts(pl, shards: int) -> list[int]:
+    """The host (unit) that reduces each shard: shard s on unit s mod units."""
+    units = len(pl.units())
+    return [s % units if pl.n_hosts > 1 else 0 for s in range(shards)]
+
+
+def sharded_allreduce_time(nbytes: float, p: int, link: Link, local: LocalCosts = LocalCosts(),
+                           *, hosts: int | None = None, shards: int | None = None) -> float:
+    """Seconds for the ``sharded`` graph: reduce-scatter then all-gather over ``hosts`` hosts.
+
+    Every replica's shard s (L/S bytes) goes to the worker reducing it, on host s mod H; every
+    worker then fetches the S averaged shards. Host h with R_h replicas and S_h shards sends
+    ``R_h (S - S_h) L/S`` and receives ``S_h (p - R_h) L/S`` in the first phase, and the reverse
+    in the second: ``2 L (p-1)/p`` on every link for one replica per host. Three task levels
+    (take, reduce, gather); ``p S + S + p`` tasks.
+
+    >>> round(sharded_allreduce_time(1e9, 4, Link(bandwidth=1e9, latency=0.0)), 3)
+    1.5
+    """
+    _validate(p)
+    if p == 1:
+        return 0.0
+    pl = model_placement(p, hosts or p)
+    S = shards or len(pl.units())
+    owner = _shard_hosts(pl, S)
+    piece = nbytes / S
+    R = pl.replicas_per_host()
+    S_h = [owner.count(h) for h in range(pl.n_hosts)]
+    up = [R[h] * (S - S_h[h]) * piece for h in range(pl.n_hosts)]
+    down = [S_h[h] * (p - R[h]) * piece for h in range(pl.n_hosts)]
+    one_host = pl.n_hosts == 1
+    move = _transfer(up, down, link, local, one_host) + _transfer(down, up, link, local, one_host)
+    compute = (max(S_h) * (p * piece * local.reduce_s_per_byte + piece * local.finalize_s_per_byte)
+               + nbytes * local.gather_s_per_byte)
+    return (3 * local.task_s + (p * S + S + p) * local.per_task_s + move + compute
+            + nbytes * local.copy_s_per_byte)
+
+
+def hierarchical_allreduce_time(nbytes: float, p: int, link: Link,
+                                local: LocalCosts = LocalCosts(), *, hosts: int | None = None,
+                                fan_in: int = 2, partial_factor: float = 2.0,
+                                shards: int | None = None) -> float:
+    """Seconds for the ``hierarchical`` graph: each host adds up the largest subtrees of the
+    addition order it holds (float64 partials, ``partial_factor`` L each; a lone replica stays
+    float32), the hosts reduce-scatter those shard by shard, and each host gathers one copy
+    that its other workers read over the loopback.
+
+    >>> net = Link(bandwidth=1e9, latency=0.0)
+    >>> hierarchical_allreduce_time(1e9, 4, net) == sharded_allreduce_time(1e9, 4, net)
+    True
+    """
+    from pipeline.reduce_order import Node, build, frontier
+    _validate(p)
+    if p == 1:
+        return 0.0
+    pl = model_placement(p, hosts or p)
+    root = build(p, fan_in)
+    nodes = [frontier(root, pl.replicas_on(h)) for h in range(pl.n_hosts)]
+    partials = [[n for n in host if isinstance(n, Node)] for host in nodes]
+    local_s = [sum((n.stop - n.first - 1) * nbytes / local.host_bandwidth
+                   + (n.stop - n.first) * nbytes * local.reduce_s_per_byte for n in host)
+               for host in partials]
+    levels = 1 if any(partials) else 0
+    if pl.n_hosts == 1:  # the whole tree on one host, read by its workers
+        fetch = (len(pl.hosts[0]) - 1) * nbytes / local.host_bandwidth
+        return (levels * local.task_s + len(partials[0]) * local.per_task_s + max(local_s)
+                + nbytes * local.finalize_s_per_byte + fetch + nbytes * local.copy_s_per_byte)
+    sizes = [sum(partial_factor * nbytes if isinstance(n, Node) else nbytes for n in host)
+             for host in nodes]
+    S = shards or pl.n_hosts
+    owner = _shard_hosts(pl, S)
+    S_h = [owner.count(h) for h in range(pl.n_hosts)]
+    up = [sizes[h] * (S - S_h[h]) / S for h in range(pl.n_hosts)]
+    down = [S_h[h] / S * (sum(sizes) - sizes[h]) for h in range(pl.n_hosts)]
+    gather_up = [S_h[h] * nbytes / S * (pl.n_hosts - 1) for h in range(pl.n_hosts)]
+    gather_down = [(S - S_h[h]) * nbytes / S for h in range(pl.n_hosts)]
+    inputs = sum(len(host) for host in nodes)
+    compute = (max(S_h) * nbytes / S * (inputs * local.reduce_s_per_byte
+                                        + local.finalize_s_per_byte)
+               + nbytes * local.gather_s_per_byte)
+    fetch = max(len(w) - 1 for w in pl.hosts) * nbytes / local.host_bandwidth
+    tasks = sum(map(len, partials)) + inputs * S + S + pl.n_hosts
+    return ((levels + 3) * local.task_s + tasks * local.per_task_s + max(local_s)
+            + _transfer(up, down, link, local, False)
+            + _transfer(gather_up, gather_down, link, local, False) + compute + fetch
+            + nbytes * local.copy_s_per_byte)
+
+
+def _tree_on_hosts(nbytes, p, link, local, fan_in, partial_factor, broadcast, hosts) -> float:
+    """The tree with nodes on their first replica's worker, levels one after another; the
+    binomial broadcast copies host to host (one task level per doubling), the star sends
+    every remote replica its own copy from the root."""
+    from pipeline.reduce_order import Node, build, span
+    pl = model_placement(p, hosts)
+    root = build(p, fan_in)
+    by_level: dict[int, float] = {}
+
+    def visit(node) -> None:
+        remote = local_bytes = 0.0
+        for child in node.children:
+            if isinstance(child, Node):
+                visit(child)
+            moved = partial_factor * nbytes if isinstance(child, Node) else nbytes
+            first = span(child)[0]
+            if pl.replica_worker[first] == pl.replica_worker[node.first]:
+                continue
+            if pl.replica_host[first] == pl.replica_host[node.first]:
+                local_bytes += moved
+            else:
+                remote += moved
+        seconds = (remote / link.bandwidth + (link.latency if remote else 0.0)
+                   + local_bytes / local.host_bandwidth
+                   + len(node.children) * nbytes * local.reduce_s_per_byte)
+        by_level[node.level] = max(by_level.get(node.level, 0.0), seconds)
+    visit(root)
+    total = sum(local.task_s + s for s in by_level.values()) + nbytes * local.finalize_s_per_byte
+    fetch = max(len(w) - 1 for w in pl.hosts) * nbytes / local.host_bandwidth
+    if broadcast == "star":
+        remote = p - len(pl.replicas_on(0))
+        total += local.task_s + remote * (link.latency + nbytes / link.bandwidth) + fetch
+    else:
+        steps = math.ceil(math.log2(pl.n_hosts)) if pl.n_hosts > 1 else 0
+        total += steps * (local.task_s + link.latency + nbytes / link.bandwidth) + fetch
+    return total + nbytes * local.copy_s_per_byte
+
+
+def shard_counts(hosts: int) -> list[int]:
+    """The shard counts worth trying for ``hosts`` hosts: H, ceil(H/2), ceil(H/4) ... 1.
+
+    >>> shard_counts(6)
+    [6, 3, 2, 1]
+    """
+    counts, s = [], hosts
+    while True:
+        counts.append(s)
+        if s == 1:
+            return counts
+        s = math.ceil(s / 2)
+
+
+def best_shards(nbytes: float, p: int, link: Link, local: LocalCosts = LocalCosts(), *,
+                algorithm: str = "sharded", hosts: int | None = None,
+                fan_in: int = 2) -> tuple[int, float]:
+    """``(S, seconds)`` of the fastest shard count: fewer shards than hosts move more bytes
+    through the reducing hosts but submit fewer tasks (``p S`` takes for ``sharded``), which
+    pays once ``per_task_s`` outweighs the bytes (hundreds of workers)."""
+    units = hosts or p
+    if algorithm == "sharded" and units == 1:
+        units = p  # one host: a shard per worker
+    kw = {"fan_in": fan_in} if algorithm == "hierarchical" else {}
+    times = {s: comm_time(nbytes, p, link, local, algorithm=algorithm, hosts=hosts, shards=s, **kw)
+             for s in shard_counts(units)}
+    best = min(times, key=times.get)
+    return best, times[best]
+
+
 def comm_time(nbytes: float, p: int, link: Link, local: LocalCosts = LocalCosts(), *,
-              algorithm: str = "ring", fan_in: int = 2, broadcast: str = "star") -> float:
-    """Seconds to average ``nbytes`` over ``p`` workers with the named algorithm."""
+              algorithm: str = "ring", fan_in: int = 2, broadcast: str = "star",
+              hosts: int | None = None, shards: int | None = None) -> float:
+    """Seconds to average ``nbytes`` over ``p`` workers with the named algorithm.
+
+    ``hosts``: the p workers' hosts (default: one worker per host); ``shards``: S of the
+    sharded algorithms (default: one per host)."""
     _check(algorithm in ALGORITHMS, "algorithm", f"must be one of {ALGORITHMS}", algorithm)
     if algorithm == "ring":
         return ring_allreduce_time(nbytes, p, link, local)
-    return tree_allreduce_time(nbytes, p, link, local, fan_in=fan_in, broadcast=broadcast)
+    if algorithm == "sharded":
+        return sharded_allreduce_time(nbytes, p, link, local, hosts=hosts, shards=shards)
+    if algorithm == "hierarchical":
+        return hierarchical_allreduce_time(nbytes, p, link, local, hosts=hosts, fan_in=fan_in,
+                                           shards=shards)
+    return tree_allreduce_time(nbytes, p, link, local, fan_in=fan_in, broadcast=broadcast,
+                               hosts=hosts)
 
 
 def round_time(work: Workload, p: int, link: Link, local: LocalCosts = LocalCosts(), *,

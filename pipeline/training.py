@@ -265,6 +265,10 @@ class _Run:
         self.log(f"{t.strategy}: {self.K} replica(s) x batch {t.batch_size}, {len(self.rounds)} "
                  f"rounds of up to {self.prep.period} step(s), {self.ctx.per_epoch} steps/epoch, "
                  f"{data.n_train} training images, model {cfg.model.name}, device {device}")
+        averaged = self.strategy_cls.average_payload(cfg, self.graph.payload_bytes)
+        if averaged:  # how the replicas' mean travels (pipeline.averaging_algorithms)
+            self.graph.averaged_bytes = averaged
+            self.log(f"average: {self.graph.average_plan().description}")
 
     def _device(self):
         from pipeline import cluster

@@ -295,6 +295,10 @@ class Async(Strategy):
     def model(self, rnd, live):
         return live.server
 
+    @classmethod
+    def average_payload(cls, config, param_bytes):
+        return 0  # no average: updates go one by one to the apply- chain
+
     def bytes_averaged(self, rnd):
         return self.graph.payload_bytes * self.K  # every update ships one replica's params
 

@@ -140,11 +140,12 @@ class Strategy:
     def scatter(self, state: HostState) -> Live:
         """Host state -> futures with no lineage (a fresh root for the rounds that follow)."""
         g = self.graph
-        if self.shared() or state.round < 0:
-            params = [g.scatter(state.params[0])] * self.K
+        if self.shared() or state.round < 0:  # one copy per host, by the averaging algorithm
+            params = g.scatter_shared(state.params[0], state.round + 1)
         else:
-            params = [g.scatter(p) for p in state.params]
-        opts = [g.scatter(o) if o is not None else None for o in state.opts]
+            params = [g.scatter(p, replica=k) for k, p in enumerate(state.params)]
+        opts = [g.scatter(o, replica=k) if o is not None else None
+                for k, o in enumerate(state.opts)]
         outer = g.scatter(state.outer) if state.outer is not None else None
         return Live(params, opts, outer)
 
@@ -170,6 +171,12 @@ class Strategy:
     def model(self, rnd: Round, live: Live):
         """Future of the weights after ``rnd`` (what stopping here would give)."""
         return live.params[0]
+
+    @classmethod
+    def average_payload(cls, config, param_bytes: int) -> int:
+        """Bytes per replica that one of its averages adds up (0: it never averages), which
+        ``--average auto`` weighs to pick an algorithm."""
+        return param_bytes if config.train.replicas > 1 else 0
 
     def bytes_averaged(self, rnd: Round) -> int:
         """Bytes of replica state that entered the round's average (0 when none)."""

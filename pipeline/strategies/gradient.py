@@ -1,6 +1,7 @@
 """``gradient``: synchronous distributed gradient. K replicas' gradients are averaged (weighted by
-samples) in a tree and one ``update-`` task takes the optimizer step: step for step the same as
-``single`` with batch K x B."""
+samples) by the run's averaging algorithm and one ``update-`` task next to replica 0 takes the
+optimizer step, whose parameters the algorithm broadcasts: step for step the same as ``single``
+with batch K x B."""
 from __future__ import annotations
 
 from pipeline import tasks
@@ -17,19 +18,20 @@ class Gradient(Strategy):
 
     def scatter(self, state):
         live = super().scatter(state)
-        if state.opts[0] is not None:  # one optimizer state, shared like the params
-            live = live._replace(opts=[live.opts[0]] * self.K)
+        if state.opts[0] is not None:  # one optimizer state, read by replica 0's update only
+            live = live._replace(opts=[self.graph.scatter(state.opts[0], replica=0)] * self.K)
         return live
 
     def submit_round(self, rnd, live, shard):
         g = self.graph
         outs = self.train_replicas(rnd, [live.params[0]] * self.K, [None] * self.K, shard,
                                    mode="gradient")
-        mean = g.tree_mean(rnd.index, [o[0] for o in outs])
+        mean = g.mean(rnd.index, [o[0] for o in outs])
         params, opt = g.submit(tasks.update, live.params[0], live.opts[0], mean,
                                self.ctx.spec(rnd, 0), stage="update", coords=(rnd.index,),
-                               fields=("params", "opt"), train=True)
-        return Submitted(Live([params] * self.K, [opt] * self.K), [o[2] for o in outs])
+                               fields=("params", "opt"), train=True, pin=0)
+        return Submitted(Live(g.broadcast(rnd.index, params), [opt] * self.K),
+                         [o[2] for o in outs])
 
     def bytes_averaged(self, rnd):
         return self.graph.payload_bytes * self.K

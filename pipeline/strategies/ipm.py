@@ -1,7 +1,9 @@
 """``ipm``: Iterative Parameter Mixture. Each replica takes H local steps from the shared
-parameters, the ``average-`` tree takes their exact mean, and an optional outer optimizer steps on
-it (DiLoCo's outer Nesterov momentum). The replicas' optimizer state is kept, reset or averaged
-at each mix (``average.optimizer_state``); both live here, not in the graph or the averaging math.
+parameters, the run's averaging algorithm (``--average``: a tree, or sharded/hierarchical across
+hosts) takes their exact mean, and an optional outer optimizer steps on it (DiLoCo's outer
+Nesterov momentum) next to replica 0, whose result the algorithm broadcasts. The replicas'
+optimizer state is kept, reset or averaged at each mix (``average.optimizer_state``); both live
+here, not in the graph or the averaging math.
 """
 from __future__ import annotations
 
@@ -27,11 +29,6 @@ def unpack(mean: dict) -> tuple[dict, dict]:
     params = {k: v for k, v in mean.items() if not k.startswith(OPT_PREFIX)}
     opt = {k[len(OPT_PREFIX):]: v for k, v in mean.items() if k.startswith(OPT_PREFIX)}
     return params, opt
-
-
-def pack_leaf(result):
-    """Leaf of the average tree in optimizer_state "average": pack, then a float64 partial."""
-    return averaging.leaf(pack(result), 1)
 
 
 def gain(previous: dict, mean: dict, metrics: list) -> float:
@@ -113,28 +110,36 @@ class IPM(Strategy):
         outs = self.train_replicas(rnd, live.params, opts, shard)
         metrics = [o[2] for o in outs]
         new_opts = [None] * self.K if self.opt_mode == "reset" else [o[1] for o in outs]
-        if self.opt_mode == "average":
-            mean = g.tree_mean(rnd.index, [o[3] for o in outs], leaf=pack_leaf)
-        else:
-            mean = g.tree_mean(rnd.index, [o[0] for o in outs])
         if self.opt_mode != "average" and self._plain():
-            return Submitted(Live([mean] * self.K, new_opts, None), metrics)
+            params = g.allreduce(rnd.index, [o[0] for o in outs])
+            return Submitted(Live(params, new_opts, None), metrics)
+        if self.opt_mode == "average":  # the whole train results: params and optimizer state
+            mean = g.mean(rnd.index, [o[3] for o in outs], prepare=pack)
+        else:
+            mean = g.mean(rnd.index, [o[0] for o in outs])
         params, opt, outer = g.submit(average_outer, live.params[0], mean, live.outer,
                                       self.outer_lr(rnd), avg.outer_momentum,
                                       self.opt_mode == "average",
                                       metrics if avg.adaptive_outer else None, stage="average",
                                       coords=(rnd.index, "outer"),
-                                      fields=("params", "opt", "momentum"))
+                                      fields=("params", "opt", "momentum"), pin=0)
         if self.opt_mode == "average":
-            new_opts = [opt] * self.K
-        return Submitted(Live([params] * self.K, new_opts, outer if not self._plain() else None),
-                         metrics)
+            new_opts = g.broadcast(rnd.index, opt, "opt")
+        return Submitted(Live(g.broadcast(rnd.index, params), new_opts,
+                              outer if not self._plain() else None), metrics)
 
     def scatter(self, state):
         live = super().scatter(state)
-        if self.opt_mode == "average" and state.opts[0] is not None:
-            live = live._replace(opts=[live.opts[0]] * self.K)
+        if self.opt_mode == "average" and state.opts[0] is not None:  # shared, like the params
+            live = live._replace(opts=self.graph.scatter_shared(state.opts[0], state.round + 1,
+                                                                "scatter-opt"))
         return live
+
+    @classmethod
+    def average_payload(cls, config, param_bytes):
+        if config.train.replicas == 1:
+            return 0
+        return param_bytes * (2 if config.average.optimizer_state == "average" else 1)
 
     def bytes_averaged(self, rnd):
         per_replica = self.graph.payload_bytes * (2 if self.opt_mode == "average" else 1)

@@ -12,14 +12,14 @@ class Mixture(Strategy):
         outs = self.train_replicas(rnd, live.params, live.opts, shard)
         params = [o[0] for o in outs]
         if rnd.mix:
-            params = [self.graph.tree_mean(rnd.index, params)] * self.K
+            params = self.graph.allreduce(rnd.index, params)
         return Submitted(Live(params, [o[1] for o in outs]), [o[2] for o in outs])
 
     def model(self, rnd, live):
         """Mid-run, the replicas' average: what stopping here would give."""
         if rnd.mix or self.K == 1:
             return live.params[0]
-        return self.graph.tree_mean(rnd.index, live.params)
+        return self.graph.mean(rnd.index, live.params)
 
     def bytes_averaged(self, rnd):
         return self.graph.payload_bytes * self.K if rnd.mix else 0

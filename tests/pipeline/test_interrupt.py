@@ -31,7 +31,7 @@ ARGS = ["--data", "synthetic:256:64", "--model", "small-cnn", "--strategy", "ipm
         "--lr", "0.02", "--augment", "cifar", "--seed", "5", "--no-progress"]
 ROUNDS = 20
 # What a stopped run may print on stderr besides its last line: nothing from the workers.
-INFO_PREFIXES = ("output: ", "started local cluster ", "ipm: ", "resuming ")
+INFO_PREFIXES = ("output: ", "started local cluster ", "ipm: ", "average: ", "resuming ")
 
 
 @pytest.fixture(scope="module")

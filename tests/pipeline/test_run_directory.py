@@ -27,7 +27,7 @@ GOOD = ["--data", "synthetic:64:16", "--model", "small-cnn", "--strategy", "ipm"
         "--replicas", "2", "--batch-size", "8", "--mix-every", "2", "--epochs", "0.5",
         "--no-progress"]
 INFO_PREFIXES = ("connected to ", "started local cluster ", "skipping checkpoint ", "resuming ",
-                 "ipm: ", "removed ", "the new run failed")
+                 "ipm: ", "average: ", "removed ", "the new run failed")
 
 
 def _one_error_line(stderr: str) -> str:

@@ -19,7 +19,8 @@ PURE = ["augment", "pipeline.keys", "pipeline.schedule", "pipeline.averaging", "
         "pipeline.strategies.single", "pipeline.strategies.gradient",
         "pipeline.strategies.mixture", "pipeline.strategies.ipm",
         "pipeline.strategies.asynchronous", "pipeline.files", "pipeline.npz", "pipeline.rundir",
-        "pipeline.resume", "pipeline.watchdog"]
+        "pipeline.resume", "pipeline.watchdog", "pipeline.reduce_order", "pipeline.shards",
+        "pipeline.placement"]
 
 
 def test_pure_modules_import_neither_dask_nor_chainer():
@@ -104,7 +105,9 @@ def test_recovery_knows_distributed_losses():
 
 def test_task_functions_pickle():
     from pipeline import augment_graph, tasks
+    from pipeline.averaging_algorithms import base, tree
     from pipeline.strategies import asynchronous, ipm
     for fn in (tasks.train, tasks.update, tasks.evaluate, augment_graph.augment, ipm.average_outer,
-               ipm.pack_leaf, asynchronous.apply, asynchronous.apply_gradient):
+               ipm.pack, tree._leaf, base.take_payload, base.local_sum, asynchronous.apply,
+               asynchronous.apply_gradient):
         assert pickle.loads(pickle.dumps(fn)) is fn

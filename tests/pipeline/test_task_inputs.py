@@ -93,7 +93,14 @@ def test_ipm_packing_of_averaged_optimizer_state_leaves_its_inputs_untouched(war
     params, opt = warm
     packed = _call_untouched(ipm.pack, (params, opt, {}))
     _call_untouched(ipm.unpack, packed)
-    _call_untouched(ipm.pack_leaf, (params, opt, {}))
+    # where the averaging algorithms pack a train result: a tree's leaf, a shard's cut, a
+    # host's local sum
+    from pipeline.averaging_algorithms import base, tree
+    from pipeline.reduce_order import build
+    _call_untouched(tree._leaf, (params, opt, {}), ipm.pack)
+    _call_untouched(base.take_payload, ipm.pack, (params, opt, {}), 3, 1)
+    _call_untouched(base.local_sum, build(2, 2), build(2, 2),
+                    {0: (params, opt, {}), 1: (params, opt, {})}, ipm.pack)
 
 
 def test_gradient_mode_and_update_leave_their_inputs_untouched(warm):
