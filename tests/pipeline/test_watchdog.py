@@ -63,7 +63,10 @@ def _stop_when_busy(cluster, index: int, client, stopped: list, timeout: float =
     addr, deadline = names[f"worker-{index}"], time.monotonic() + timeout
     while time.monotonic() < deadline:
         busy = [k for k in client.processing(workers=[addr]).get(addr, ())
-                if str(k).startswith("('train-")]
+                if isinstance(k, tuple) and len(k) == 3 and k[0].startswith("train-")]
+        # a train- task itself, ('train-<token>', round, replica): not the small tasks that pick
+        # a field out of a finished one, ('train-<token>', round, replica, 'params'), which the
+        # worker may hold queued but never start (the full suite once stopped it there)
         if busy:
             os.killpg(cluster.workers[index].pid, signal.SIGSTOP)
             stopped.append(str(busy[0]))
