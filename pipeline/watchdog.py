@@ -122,6 +122,10 @@ def executing(suffix: str, dask_scheduler=None) -> list[tuple]:
             seen.add(ts.key)
         if silent > 5.0:  # stopped before a heartbeat said it started: silent at least this long
             found.extend((ts.key, silent, ws.address) for ts in ws.processing if ts.key not in seen)
+            seen.update(ts.key for ts in ws.processing)
+            # results it holds: a driver gathering them (a checkpoint's state) waits on a silent
+            # worker with no task running anywhere
+            found.extend((ts.key, silent, ws.address) for ts in ws.has_what if ts.key not in seen)
     out = []
     for key, seconds, worker in found:
         name = key[0] if isinstance(key, tuple) and key and isinstance(key[0], str) else None

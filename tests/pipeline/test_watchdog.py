@@ -56,17 +56,37 @@ def test_the_scheduler_side_functions_pickle_by_reference_and_read_a_scheduler(d
     assert dask_client.run_on_scheduler(watchdog.executing, "-nothing") == []
 
 
-def _stop_when_busy(cluster, index: int, client, stopped: list, timeout: float = 30.0) -> None:
-    """SIGSTOP worker ``index`` (its nanny too) once it runs a train- task."""
+def test_a_silent_worker_is_judged_by_what_it_runs_queues_or_holds():
+    """A stopped worker holding a result the driver gathers has no task running anywhere; the
+    watchdog still sees it, by its silence (no heartbeat), through the keys it holds."""
+    from types import SimpleNamespace as NS
+    now = time.time()
+
+    class Task(NS):
+        __hash__ = object.__hash__
+
+    def task(*key):
+        return Task(key=key)
+
+    silent = NS(address="tcp://w1", last_seen=now - 30, executing={}, processing=set(),
+                has_what={task("train-abc", 3, 1): None, task("load-other", 0): None}.keys())
+    alive = NS(address="tcp://w2", last_seen=now, executing={}, processing=set(),
+               has_what={task("train-abc", 3, 0): None}.keys())
+    rows = watchdog.executing("-abc", dask_scheduler=NS(workers={"a": silent, "b": alive}))
+    assert [(r[0], r[1], r[2]) for r in rows] == [("('train-abc', 3, 1)", "train", "tcp://w1")]
+    assert rows[0][3] >= 30
+
+
+def _stop_when_busy(cluster, index: int, client, stopped: list, timeout: float = 30.0,
+                    parts: int = 3) -> None:
+    """SIGSTOP worker ``index`` (its nanny too) once it is given a train- task (``parts`` 3) or
+    a task picking a field out of a finished one (4: the worker then mostly holds results)."""
     names = {info["name"]: addr for addr, info in
              client.scheduler_info(n_workers=-1)["workers"].items()}
     addr, deadline = names[f"worker-{index}"], time.monotonic() + timeout
     while time.monotonic() < deadline:
         busy = [k for k in client.processing(workers=[addr]).get(addr, ())
-                if isinstance(k, tuple) and len(k) == 3 and k[0].startswith("train-")]
-        # a train- task itself, ('train-<token>', round, replica): not the small tasks that pick
-        # a field out of a finished one, ('train-<token>', round, replica, 'params'), which the
-        # worker may hold queued but never start (the full suite once stopped it there)
+                if isinstance(k, tuple) and len(k) == parts and k[0].startswith("train-")]
         if busy:
             os.killpg(cluster.workers[index].pid, signal.SIGSTOP)
             stopped.append(str(busy[0]))
@@ -83,7 +103,8 @@ def _tee(log):
 
 @pytest.mark.cluster
 @pytest.mark.slow
-def test_a_stopped_worker_is_retired_and_the_result_is_unchanged(dask_client):
+@pytest.mark.parametrize("parts", [3, 4], ids=["training", "holding results"])
+def test_a_stopped_worker_is_retired_and_the_result_is_unchanged(dask_client, parts):
     cfg = Config().replace(**{
         "data.source": "synthetic:256:64", "model.name": "small-cnn", "train.strategy": "ipm",
         "train.replicas": 3, "train.batch_size": 8, "average.mix_every": "1",
@@ -99,7 +120,8 @@ def test_a_stopped_worker_is_retired_and_the_result_is_unchanged(dask_client):
                 def on_round(line):
                     if line["round"] == 3:
                         threading.Thread(target=_stop_when_busy, daemon=True,
-                                         args=(cluster, 1, spy, stopped)).start()
+                                         args=(cluster, 1, spy, stopped),
+                                         kwargs=dict(parts=parts)).start()
                 start = time.monotonic()
                 result = train(cfg.replace(**{"cluster.scheduler": cluster.address}),
                                log=_tee(log), on_round=on_round)
