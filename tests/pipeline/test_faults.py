@@ -77,9 +77,12 @@ class _Killer:
     """Kills workers mid-round: when round ``after`` is reported, a thread waits until worker
     ``index`` is busy with a ``stage`` task of a later round and SIGKILLs it (and its nanny)."""
 
-    def __init__(self, cluster, plan: dict[int, int], stage: str = "train"):
+    def __init__(self, cluster, plan: dict[int, int], stage: str = "train",
+                 holding: bool = False):
+        """``holding``: a worker that holds a ``stage`` result counts as busy too (async's
+        train tasks are a few ms each: a run can end between two looks at what is running)."""
         import distributed
-        self.cluster, self.plan, self.stage = cluster, dict(plan), stage
+        self.cluster, self.plan, self.stage, self.holding = cluster, dict(plan), stage, holding
         self.client = distributed.Client(cluster.address, set_as_default=False)
         names = {info["name"]: addr for addr, info in
                  self.client.scheduler_info(n_workers=-1)["workers"].items()}
@@ -98,8 +101,10 @@ class _Killer:
     def _kill_when_busy(self, index: int, after: int, timeout: float = 20.0) -> None:
         addr, deadline = self.address[index], time.monotonic() + timeout
         while time.monotonic() < deadline:
-            busy = [k for k in self.client.processing(workers=[addr]).get(addr, ())
-                    if str(k).startswith(f"('{self.stage}-")]
+            keys = list(self.client.processing(workers=[addr]).get(addr, ()))
+            if self.holding:
+                keys += list(self.client.has_what(workers=[addr]).get(addr, ()))
+            busy = [k for k in keys if str(k).startswith(f"('{self.stage}-")]
             if busy:
                 self.cluster.kill_worker(index)
                 self.killed.append((index, after, str(busy[0])))
@@ -434,7 +439,7 @@ def test_async_lost_worker(tmp_path, dask_client, order):
     changes = {**ASYNC, "asynchronous.order": order}
     lines = []
     with subprocess_cluster(3, resources={"CPU": 1}) as cluster:
-        killer = _Killer(cluster, {4: 0})
+        killer = _Killer(cluster, {4: 0}, holding=True)
         try:
             result = train(_on_cluster(cluster, tmp_path, **changes), log=lines.append,
                            on_round=killer)
