@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pipeline import npz
-from pipeline.errors import OutputError, ResumeError
+from pipeline.errors import OutputError, ResumeError, one_line
 from pipeline.files import MIB, open_regular, read_text
 from pipeline.rundir import checkpoint_dirs
 
@@ -203,8 +203,8 @@ def write_atomic(path: Path, data: bytes | str) -> None:
         raise
 
 
-def _reason(exc: OSError) -> str:
-    return " ".join(str(exc.strerror or exc).split())[:160]
+def _reason(exc: BaseException) -> str:
+    return one_line(exc, kind=False, limit=160)
 
 
 def save(out: str | Path, state: HostState, model_params: dict, config_dict: dict) -> Path:

@@ -16,7 +16,7 @@ import os
 import stat
 from typing import BinaryIO
 
-from pipeline.errors import DataError
+from pipeline.errors import DataError, one_line
 
 KIB, MIB = 1 << 10, 1 << 20
 _os_open = os.open  # the one call that opens; tests replace it to simulate permission errors
@@ -36,8 +36,8 @@ def describe(mode: int) -> str:
     return "not a regular file"
 
 
-def _reason(exc: OSError) -> str:
-    return " ".join(str(exc.strerror or exc).split())[:200] or type(exc).__name__
+def _reason(exc: BaseException) -> str:
+    return one_line(exc, kind=False, limit=200)
 
 
 def open_regular(path: str | os.PathLike, error: type[Exception] = DataError) -> BinaryIO:

@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pipeline.errors import DataError
+from pipeline.errors import DataError, one_line
 
 # Formats Pillow may open (its plugin names). EPS/PS (Ghostscript), PDF and other exotic plugins
 # are never tried, so a file named .jpg cannot reach them.
@@ -122,8 +122,7 @@ def _kind(mode: int) -> str:
 
 
 def _reason(exc: BaseException) -> str:
-    text = getattr(exc, "strerror", None) or str(exc)
-    return " ".join(str(text).split())[:200] or type(exc).__name__
+    return one_line(exc, kind=False, limit=200)
 
 
 def class_folders(root: str) -> list[str]:
