@@ -26,6 +26,17 @@ from pathlib import Path
 from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def train_cli(*args: str) -> subprocess.Popen:
+    """``python -m pipeline train ARGS`` from the repository, on the CPU, in a session of its own
+    (a test signals its process group as a terminal signals the foreground job: the driver and
+    an embedded cluster's worker processes alike); stdout and stderr piped as text."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
+    env.pop("DASK_SCHEDULER_ADDRESS", None)
+    return subprocess.Popen([sys.executable, "-m", "pipeline", "train", *args], cwd=str(REPO),
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
 ARTIFACTS = REPO / "test-artifacts"
 CHROMIUM = "/usr/bin/chromium"
 # Debian's Chromium in a container: no sandbox (no user namespaces), no GPU, and nothing that

@@ -12,7 +12,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -27,7 +26,8 @@ from pipeline.errors import ClusterError, DivergenceError
 from pipeline.models import build_model
 from pipeline.state import get_state
 from pipeline.training import train
-from tests.pipeline.clusters import REPO, subprocess_cluster
+from tests.pipeline.clusters import subprocess_cluster
+from tests.pipeline.clusters import train_cli as _cli
 
 # 256 images, K=3 replicas of batch 8: 10 steps per epoch; H=1: 20 rounds in 2 epochs. The CLI
 # runs checkpoint every 10 rounds (the default: rounds 9 and 19), the in-process ones every 4
@@ -217,14 +217,6 @@ def test_lost_work_again_and_again_gives_up_with_one_line(tmp_path, dask_client,
 
 
 # --- the driver and the scheduler ---------------------------------------------------------------
-
-
-def _cli(*args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    env.pop("DASK_SCHEDULER_ADDRESS", None)
-    return subprocess.Popen([sys.executable, "-m", "pipeline", "train", *args], cwd=str(REPO),
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
 
 
 def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from pipeline.errors import Interrupted
 from pipeline.models import build_model
 from pipeline.state import get_state
 from pipeline.training import train
-from tests.pipeline.clusters import REPO
+from tests.pipeline.clusters import train_cli as _cli
 
 # 256 images, K=3 x batch 8, H=1: 20 rounds of ~0.1 s in 2 epochs; checkpoints at rounds 9, 19.
 ARGS = ["--data", "synthetic:256:64", "--model", "small-cnn", "--strategy", "ipm",
@@ -38,16 +37,6 @@ INFO_PREFIXES = ("output: ", "started local cluster ", "ipm: ", "average: ", "re
 def reference(dask_client) -> dict:
     config = config_from_args(build_parser().parse_args(["train", *ARGS]))
     return train(config, client=dask_client).params
-
-
-def _cli(*args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
-    env.pop("DASK_SCHEDULER_ADDRESS", None)
-    # Its own session: the test signals its process group as a terminal signals the foreground
-    # job (the driver and the embedded cluster's worker processes alike).
-    return subprocess.Popen([sys.executable, "-m", "pipeline", "train", *args], cwd=str(REPO),
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
 
 
 def _wait_for_rounds(out: Path, n: int, proc: subprocess.Popen, timeout: float = 90.0) -> None:
