@@ -8,6 +8,7 @@ from pipeline import Config
 from pipeline.errors import UsageError
 from pipeline.strategies.asynchronous import InFlight, allowed, apply, fixed_order, read_order
 from pipeline.training import train
+from tests.pipeline.resuming import whole_and_resumed
 
 SMALL = "synthetic:512:128"
 
@@ -88,19 +89,7 @@ def test_replay_reproduces_an_arrival_run_byte_for_byte(tmp_path, dask_client):
 
 def test_fixed_resume_equals_uninterrupted(tmp_path, dask_client):
     cfg = _config(**{"asynchronous.order": "fixed", "checkpoint_every": 2, "train.epochs": 2})
-    whole = train(cfg.replace(out=str(tmp_path / "whole")), client=dask_client)
-
-    class Stop(Exception):
-        pass
-
-    def stop_after_round_4(line):
-        if line["round"] == 4:
-            raise Stop
-
-    with pytest.raises(Stop):
-        train(cfg.replace(out=str(tmp_path / "cut")), client=dask_client,
-              on_round=stop_after_round_4)
-    resumed = train(cfg.replace(out=str(tmp_path / "cut")), client=dask_client, resume=True)
+    whole, resumed = whole_and_resumed(cfg, tmp_path, dask_client)
     _equal(whole.params, resumed.params)
     assert _updates(tmp_path / "cut") == _updates(tmp_path / "whole")
 

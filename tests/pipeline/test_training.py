@@ -10,6 +10,7 @@ from pipeline.errors import ResumeError, UsageError
 from pipeline.models import build_model
 from pipeline.state import get_state
 from pipeline.training import train
+from tests.pipeline.resuming import whole_and_resumed
 
 SMALL = "synthetic:512:128"
 
@@ -69,19 +70,7 @@ def test_resume_equals_uninterrupted(tmp_path, dask_client, strategy, replicas):
     cfg = _config(**{"train.strategy": strategy, "train.replicas": replicas, "train.epochs": 2,
                      "average.mix_every": "3", "checkpoint_every": 2,
                      "average.optimizer_state": "keep"})
-    whole = train(cfg.replace(out=str(tmp_path / "whole")), client=dask_client)
-
-    class Stop(Exception):
-        pass
-
-    def stop_after_round_4(line):
-        if line["round"] == 4:
-            raise Stop
-
-    with pytest.raises(Stop):
-        train(cfg.replace(out=str(tmp_path / "cut")), client=dask_client,
-              on_round=stop_after_round_4)
-    resumed = train(cfg.replace(out=str(tmp_path / "cut")), client=dask_client, resume=True)
+    whole, resumed = whole_and_resumed(cfg, tmp_path, dask_client)
     _equal(whole.params, resumed.params)
     lines = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
     assert [x["round"] for x in lines] == list(range(len(whole.history)))
