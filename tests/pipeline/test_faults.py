@@ -79,8 +79,8 @@ class _Killer:
 
     def __init__(self, cluster, plan: dict[int, int], stage: str = "train",
                  holding: bool = False):
-        """``holding``: a worker that holds a ``stage`` result counts as busy too (async's
-        train tasks are a few ms each: a run can end between two looks at what is running)."""
+        """``holding``: a worker that holds any result counts as busy too (async's train tasks
+        are a few ms each and need not land on it: a run can end before one is seen there)."""
         import distributed
         self.cluster, self.plan, self.stage, self.holding = cluster, dict(plan), stage, holding
         self.client = distributed.Client(cluster.address, set_as_default=False)
@@ -101,10 +101,10 @@ class _Killer:
     def _kill_when_busy(self, index: int, after: int, timeout: float = 20.0) -> None:
         addr, deadline = self.address[index], time.monotonic() + timeout
         while time.monotonic() < deadline:
-            keys = list(self.client.processing(workers=[addr]).get(addr, ()))
-            if self.holding:
-                keys += list(self.client.has_what(workers=[addr]).get(addr, ()))
-            busy = [k for k in keys if str(k).startswith(f"('{self.stage}-")]
+            busy = [k for k in self.client.processing(workers=[addr]).get(addr, ())
+                    if str(k).startswith(f"('{self.stage}-")]
+            if self.holding and not busy:  # anything it holds is lost with it
+                busy = list(self.client.has_what(workers=[addr]).get(addr, ()))
             if busy:
                 self.cluster.kill_worker(index)
                 self.killed.append((index, after, str(busy[0])))
