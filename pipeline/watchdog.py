@@ -14,6 +14,11 @@ tasks keep ageing) and :func:`judge` compares that with the median of the stage'
   recomputed from lineage or, for the scattered state, replayed from the last anchor by the
   driver's recovery. Every value is keyed by seed and coordinates, so the result is unchanged.
 
+The same look also catches a task that waits without anything being slow: one the scheduler has
+processing on a live worker that has never heard of it (a lost ``compute-task`` message). That
+worker is asked what it holds; a task it has not held for ``stall_min_s`` is assigned again
+(:mod:`pipeline.assignments`).
+
 :func:`judge` is pure; :class:`Watchdog` is the Dask side.
 """
 from __future__ import annotations
@@ -23,6 +28,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
+
+from pipeline import assignments
 
 PEERS = 64  # finished task durations remembered per stage
 POLL_S = 1.0  # how often the driver looks while it waits (one scheduler round trip, ~1 ms)
@@ -120,7 +127,7 @@ def executing(suffix: str, dask_scheduler=None) -> list[tuple]:
         for ts, seconds in ws.executing.items():
             found.append((ts.key, seconds + silent, ws.address))
             seen.add(ts.key)
-        if silent > 5.0:  # stopped before a heartbeat said it started: silent at least this long
+        if silent > assignments.HEARD_S:  # stopped before a heartbeat said it started
             found.extend((ts.key, silent, ws.address) for ts in ws.processing if ts.key not in seen)
             seen.update(ts.key for ts in ws.processing)
             # results it holds: a driver gathering them (a checkpoint's state) waits on a silent
@@ -134,6 +141,13 @@ def executing(suffix: str, dask_scheduler=None) -> list[tuple]:
     return out
 
 
+def survey(suffix: str, dask_scheduler=None) -> tuple[list, list]:
+    """Runs on the scheduler: one look's :func:`executing` rows and
+    :func:`assignments.assigned` pairs (one round trip for both)."""
+    return (executing(suffix, dask_scheduler=dask_scheduler),
+            assignments.assigned(suffix, dask_scheduler=dask_scheduler))
+
+
 async def remove_worker(address: str, dask_scheduler=None) -> str:
     """Runs on the scheduler: drop ``address`` now (its tasks go back to be scheduled elsewhere)."""
     return await dask_scheduler.remove_worker(address=address, close=True,
@@ -145,14 +159,18 @@ class Watchdog:
 
     ``cfg`` is the cluster section (``stall_report``, ``stall_retire``, ``stall_min_s``); each
     wait names the key suffix of the tasks it may judge (``-<token>`` of the attempt), so tasks
-    of other runs on a shared scheduler are never touched.
+    of other runs on a shared scheduler are never touched; a lost assignment may also be a key
+    of another token that such a task waits for (the dataset's blocks).
     """
 
-    def __init__(self, client, cfg, log: Callable[[str], None], poll_s: float = POLL_S):
+    def __init__(self, client, cfg, log: Callable[[str], None], poll_s: float = POLL_S,
+                 clock: Callable[[], float] = time.monotonic):
         self.client, self.cfg, self.log, self.poll_s = client, cfg, log, poll_s
+        self.clock = clock  # seconds; lost assignments are timed by it
         self.peers: dict[str, deque] = {}
         self.reported: set = set()
         self.retired: set = set()
+        self.unheld: dict = {}  # {(key, worker): since when the worker has not held it}
         self.enabled = True
 
     def observe(self, stage: str, seconds: float) -> None:
@@ -176,11 +194,12 @@ class Watchdog:
                 self.check(suffix)
 
     def check(self, suffix: str) -> list[Verdict]:
-        """One look: ask the scheduler, judge, log and retire. Returns the verdicts acted on."""
+        """One look: ask the scheduler, judge, log and retire; assign lost tasks again. Returns
+        the verdicts acted on."""
         if not self.enabled:
             return []
         try:
-            rows = self.client.run_on_scheduler(executing, suffix)
+            rows, pairs = self.client.run_on_scheduler(survey, suffix)
         except Exception as exc:  # e.g. a scheduler that cannot import this package
             self.enabled = False
             self.log(f"stalled-task watchdog off: the scheduler cannot run it "
@@ -198,4 +217,41 @@ class Watchdog:
                     self.client.run_on_scheduler(remove_worker, v.task.worker)
                 except Exception as exc:  # gone already: nothing left to retire
                     self.log(f"could not retire {v.task.worker}: {type(exc).__name__}: {exc}")
+        self.reassign(pairs)
         return verdicts
+
+    def reassign(self, pairs: list) -> list[assignments.Lost]:
+        """Ask the workers of ``pairs`` (``(key, worker)`` processing there, from
+        :func:`assignments.assigned`) whether they hold them; a task a worker has not held for
+        ``cluster.stall_min_s`` is assigned again. Returns the tasks assigned again."""
+        answers = self._held(pairs)
+        now = self.clock()
+        self.unheld = assignments.track(self.unheld, answers, now)
+        states = {(key, worker): state for key, worker, state in answers}
+        lost = assignments.due(self.unheld, now, self.cfg.stall_min_s)
+        for x in lost:
+            self.log(assignments.describe(x, states[(x.key, x.worker)]))
+            self.unheld[(x.key, x.worker)] = now  # not again before another full limit
+            try:
+                self.client.run_on_scheduler(assignments.reschedule, x.key, x.worker)
+            except Exception as exc:  # the scheduler went away: recovery's to judge
+                self.log(f"could not assign {x.key} again: {type(exc).__name__}: {exc}")
+        return lost
+
+    def _held(self, pairs: list) -> list[tuple]:
+        """``(key, worker, the worker's state of it or None)``; pairs whose worker did not
+        answer within ``assignments.ASK_S`` are left out (no evidence either way)."""
+        by_worker: dict[str, list] = {}
+        for key, worker in pairs:
+            by_worker.setdefault(worker, []).append(key)
+        if not by_worker:
+            return []
+        try:  # Client.run has no timeout; a worker stopped since its last heartbeat never answers
+            replies = self.client.sync(self.client._run, assignments.held, by_worker,
+                                       workers=list(by_worker), on_error="return",
+                                       callback_timeout=assignments.ASK_S)
+        except Exception:  # timed out, or a worker left mid-call: ask again next look
+            return []
+        return [(key, worker, replies[worker].get(key, None))
+                for worker, keys in by_worker.items() if isinstance(replies.get(worker), dict)
+                for key in keys]
