@@ -1,21 +1,21 @@
-"""Lost assignments: a task the scheduler has had ``processing`` on a worker that says it has
-never heard of it is assigned again.
+"""Lost assignments: a task the scheduler has had ``processing`` for long on a worker that says
+it is not computing it (it never heard of it) is assigned again.
 
 The scheduler hands a task to a worker with one ``compute-task`` message and then waits for the
 worker's answer. Once in a while (about 1 fault-test run in 5 on distributed 2026.8.0, after two
 workers were killed one after the other) that message is lost: the scheduler lists a dataset
-block as processing on the one live worker, the worker holds no state for it, nothing executes
+block as processing on the one live worker, the worker had no state for it, nothing executed
 and nothing times out, so the run waits forever. Neither the worker's heartbeat (it is alive) nor
 its executing figures (it runs nothing) shows it; only asking the worker does.
 
 :class:`Watchdog <pipeline.watchdog.Watchdog>` asks between its slices: :func:`assigned` (on the
 scheduler) lists the tasks the run waits on that are processing on a live worker, including the
-dataset's blocks and anything else of another token the run depends on; :func:`held` (on each
-of those workers) says what the worker knows of them; :func:`track` and :func:`due` (pure) keep,
-per (key, worker), since when the worker has said it does not hold the task, and name those it
-has said so for longer than the limit. :func:`reschedule` (on the scheduler) then releases the
-task there, as a worker does for its own ``Reschedule``: the scheduler assigns it again, to
-whichever worker fits, with a fresh ``compute-task``.
+dataset's blocks and anything else of another token the run depends on; :func:`states` (on
+each of those workers) says what the worker knows of them; :func:`track` and :func:`due` (pure)
+keep, per (key, worker), since when the worker has said it is not computing the task, and name
+those it has said so for longer than the limit. :func:`reschedule` (on the scheduler) then
+releases the task there, as a worker does for its own ``Reschedule``: the scheduler assigns it
+again, to whichever worker fits, with a fresh ``compute-task``.
 """
 from __future__ import annotations
 
@@ -23,29 +23,31 @@ import time
 from collections.abc import Iterable
 from typing import NamedTuple
 
-# A worker's own states of a task it does not work on: None (no state at all: it never got the
-# task, or forgot it) and "released" (let go, about to be forgotten). Every other state
-# (waiting, ready, constrained, executing, long-running, memory, error, cancelled, resumed, ...)
-# is the worker at work or an answer on its way: never judged, however long.
-NOT_HELD = (None, "released")
+# A worker's own states of a task it is not computing: None (no state at all: it never got the
+# task, or forgot it), "released" (let go, about to be forgotten) and "fetch"/"flight"/"missing"
+# (it waits to receive the value from another worker, while the scheduler, which lists no one
+# holding it, waits for this worker to compute it). Every other state (waiting, ready,
+# constrained, executing, long-running, memory, error, cancelled, resumed) is the worker at work
+# or an answer on its way: never judged, however long.
+NOT_COMPUTING = (None, "released", "fetch", "flight", "missing")
 FLOOR_S = 2.0  # never sooner: a compute-task message takes milliseconds, a look ~1 ms
 ASK_S = 2.0  # seconds to wait for the workers' answers; none in time: no evidence this look
 HEARD_S = 5.0  # ask only workers heard from this recently (a stopped one would never answer)
 
 
 class Lost(NamedTuple):
-    """A task the scheduler has processing on ``worker`` and ``worker`` does not hold."""
+    """A task the scheduler has processing on ``worker`` and ``worker`` is not computing."""
     key: object  # the task key itself (a tuple), as the scheduler and the worker name it
     worker: str  # worker address
     seconds: float  # the worker has said so for this long
 
 
 def track(since: dict, answers: Iterable[tuple], now: float) -> dict:
-    """``{(key, worker): first time the worker said it does not hold the task}`` after a look.
+    """``{(key, worker): first time the worker said it is not computing the task}`` after a look.
 
     ``answers``: ``(key, worker, state)`` for the tasks processing on a worker, ``state`` the
-    worker's own (None: unknown to it). A pair the worker holds, or that was not asked this look,
-    leaves the record: only an unbroken run of "not held" answers counts.
+    worker's own (None: unknown to it). A pair the worker computes, or that was not asked this
+    look, leaves the record: only an unbroken run of "not computing" answers counts.
 
     >>> lost, queued = (("images-ab", 4), "tcp://w", None), (("train-cd", 0), "tcp://w", "ready")
     >>> s = track({}, [lost, queued], 10.0); s
@@ -57,13 +59,13 @@ def track(since: dict, answers: Iterable[tuple], now: float) -> dict:
     """
     out = {}
     for key, worker, state in answers:
-        if state in NOT_HELD:
+        if state in NOT_COMPUTING:
             out[(key, worker)] = since.get((key, worker), now)
     return out
 
 
 def due(since: dict, now: float, limit: float) -> list[Lost]:
-    """The pairs not held for longer than ``max(limit, FLOOR_S)`` seconds, longest first.
+    """The pairs not computed for longer than ``max(limit, FLOOR_S)`` seconds, longest first.
 
     >>> due({(("images-ab", 4), "tcp://w"): 10.0}, 70.5, 60.0)
     [Lost(key=('images-ab', 4), worker='tcp://w', seconds=60.5)]
@@ -81,11 +83,11 @@ def describe(lost: Lost, state: str | None = None) -> str:
     >>> describe(Lost(("images-ab", 4, 0, 0, 0), "tcp://w1", 61.2))
     ... # doctest: +NORMALIZE_WHITESPACE
     "lost assignment: ('images-ab', 4, 0, 0, 0) has been processing on tcp://w1 for 61 s but
-     the worker does not hold it (no state); assigning it again"
+     the worker has no state for it; assigning it again"
     """
-    said = "no state" if state is None else f"state {state}"
+    said = "has no state for it" if state is None else f"has it as {state}"
     return (f"lost assignment: {lost.key} has been processing on {lost.worker} for "
-            f"{lost.seconds:.0f} s but the worker does not hold it ({said}); assigning it again")
+            f"{lost.seconds:.0f} s but the worker {said}; assigning it again")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,7 +124,7 @@ def assigned(suffix: str, dask_scheduler=None, heard_s: float = HEARD_S) -> list
     return found
 
 
-def held(keys_by_worker: dict, dask_worker=None) -> dict:
+def states(keys_by_worker: dict, dask_worker=None) -> dict:
     """Runs on a worker: ``{key: the worker's state of it, or None}`` for its keys in
     ``keys_by_worker`` (``{worker address: [key, ...]}``, one message for every worker)."""
     tasks = dask_worker.state.tasks

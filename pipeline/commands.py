@@ -113,7 +113,8 @@ _TRAIN_OPTIONS = [
     ("--stall-retire", "cluster.stall_retire", float, "X", "retire the worker of a task running X "
      "times its peers' median, so its work is replayed elsewhere (0: never)", "x"),
     ("--stall-min-seconds", "cluster.stall_min_s", float, "SECONDS", "a task may always run this "
-     "long before it is reported (4 x as long before its worker is retired)", "s"),
+     "long before it is reported (4 x as long before its worker is retired); a task its worker "
+     "is not computing is assigned again after this long", "s"),
 ]
 _CLUSTER_FIELDS = {f for _, f, *_ in _TRAIN_OPTIONS if f.startswith("cluster.")}
 _RECIPE = "the strategy's recipe: for ipm with K > 1 and adam "

@@ -286,6 +286,8 @@ class ClusterConfig:
     # The stalled-task watchdog (pipeline.watchdog): a task running stall_report x its peers'
     # median is reported, past stall_retire x the median its worker is retired so the work is
     # replayed elsewhere; neither before it has run stall_min_s seconds. 0 turns retiring off.
+    # A task a live worker has not been computing for stall_min_s (a lost assignment, e.g. it
+    # never got it) is assigned again.
     stall_report: float = 5.0  # multiple of the peers' median task time
     stall_retire: float = 20.0  # multiple of the peers' median task time; 0 = never retire
     stall_min_s: float = 60.0  # seconds a task may always run, whatever its peers take

@@ -16,7 +16,8 @@ tasks keep ageing) and :func:`judge` compares that with the median of the stage'
 
 The same look also catches a task that waits without anything being slow: one the scheduler has
 processing on a live worker that has never heard of it (a lost ``compute-task`` message). That
-worker is asked what it holds; a task it has not held for ``stall_min_s`` is assigned again
+worker is asked what it knows of it; a task it has not been computing for ``stall_min_s`` is
+assigned again
 (:mod:`pipeline.assignments`).
 
 :func:`judge` is pure; :class:`Watchdog` is the Dask side.
@@ -27,6 +28,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from pipeline import assignments
@@ -164,13 +166,15 @@ class Watchdog:
     """
 
     def __init__(self, client, cfg, log: Callable[[str], None], poll_s: float = POLL_S,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, executor=None):
         self.client, self.cfg, self.log, self.poll_s = client, cfg, log, poll_s
         self.clock = clock  # seconds; lost assignments are timed by it
+        self.executor = executor  # asks the workers (one thread, made on first use)
+        self.asking = None  # concurrent.futures.Future of the question in flight
         self.peers: dict[str, deque] = {}
         self.reported: set = set()
         self.retired: set = set()
-        self.unheld: dict = {}  # {(key, worker): since when the worker has not held it}
+        self.idle: dict = {}  # {(key, worker): since when the worker has not been computing it}
         self.enabled = True
 
     def observe(self, stage: str, seconds: float) -> None:
@@ -222,36 +226,50 @@ class Watchdog:
 
     def reassign(self, pairs: list) -> list[assignments.Lost]:
         """Ask the workers of ``pairs`` (``(key, worker)`` processing there, from
-        :func:`assignments.assigned`) whether they hold them; a task a worker has not held for
-        ``cluster.stall_min_s`` is assigned again. Returns the tasks assigned again."""
-        answers = self._held(pairs)
-        now = self.clock()
-        self.unheld = assignments.track(self.unheld, answers, now)
+        :func:`assignments.assigned`) what they know of them, in the background: a look never
+        waits for a worker (a stopped one would not answer). Judge the answers of the last
+        question, if back: a task a worker has not been computing for ``cluster.stall_min_s``
+        is assigned again. Returns those tasks."""
+        lost = []
+        if self.asking is not None and self.asking.done():
+            sent, answers = self.asking.result()
+            self.asking = None
+            if answers is not None:  # None: no answer in time, no evidence either way
+                lost = self._judge_answers(sent, answers)
+        if not pairs:
+            self.idle = {}  # nothing processing: a task seen later starts afresh
+        elif self.asking is None:  # one question at a time: answers come back in order
+            by_worker: dict[str, list] = {}
+            for key, worker in pairs:
+                by_worker.setdefault(worker, []).append(key)
+            if self.executor is None:
+                self.executor = ThreadPoolExecutor(1, thread_name_prefix="watchdog-ask")
+            self.asking = self.executor.submit(self._ask, by_worker, self.clock())
+        return lost
+
+    def _judge_answers(self, sent: float, answers: list) -> list[assignments.Lost]:
+        """Track the answers to the question sent at ``sent``; assign the overdue again."""
+        self.idle = assignments.track(self.idle, answers, sent)
         states = {(key, worker): state for key, worker, state in answers}
-        lost = assignments.due(self.unheld, now, self.cfg.stall_min_s)
+        lost = assignments.due(self.idle, sent, self.cfg.stall_min_s)
         for x in lost:
             self.log(assignments.describe(x, states[(x.key, x.worker)]))
-            self.unheld[(x.key, x.worker)] = now  # not again before another full limit
+            self.idle[(x.key, x.worker)] = sent  # not again before another full limit
             try:
                 self.client.run_on_scheduler(assignments.reschedule, x.key, x.worker)
             except Exception as exc:  # the scheduler went away: recovery's to judge
                 self.log(f"could not assign {x.key} again: {type(exc).__name__}: {exc}")
         return lost
 
-    def _held(self, pairs: list) -> list[tuple]:
-        """``(key, worker, the worker's state of it or None)``; pairs whose worker did not
-        answer within ``assignments.ASK_S`` are left out (no evidence either way)."""
-        by_worker: dict[str, list] = {}
-        for key, worker in pairs:
-            by_worker.setdefault(worker, []).append(key)
-        if not by_worker:
-            return []
+    def _ask(self, by_worker: dict, sent: float) -> tuple[float, list | None]:
+        """``(sent, [(key, worker, the worker's state of it or None)])``; a worker that did not
+        answer leaves its keys out; None when none answered within ``assignments.ASK_S``."""
         try:  # Client.run has no timeout; a worker stopped since its last heartbeat never answers
-            replies = self.client.sync(self.client._run, assignments.held, by_worker,
+            replies = self.client.sync(self.client._run, assignments.states, by_worker,
                                        workers=list(by_worker), on_error="return",
                                        callback_timeout=assignments.ASK_S)
-        except Exception:  # timed out, or a worker left mid-call: ask again next look
-            return []
-        return [(key, worker, replies[worker].get(key, None))
-                for worker, keys in by_worker.items() if isinstance(replies.get(worker), dict)
-                for key in keys]
+        except Exception:  # timed out, or the client closed: ask again later
+            return sent, None
+        return sent, [(key, worker, replies[worker].get(key, None))
+                      for worker, keys in by_worker.items()
+                      if isinstance(replies.get(worker), dict) for key in keys]

@@ -8,7 +8,9 @@ cluster, which without the watchdog waits forever.
 from __future__ import annotations
 
 import pickle
+import threading
 import time
+from concurrent.futures import Future
 from types import SimpleNamespace as NS
 
 import pytest
@@ -24,15 +26,21 @@ TRAIN = ("train" + RUN, 3, 1)
 W1, W2 = "tcp://w1", "tcp://w2"
 
 
-def test_only_an_unbroken_run_of_not_held_answers_counts():
+def test_only_an_unbroken_run_of_not_computing_answers_counts():
     since = track({}, [(IMAGES, W1, None), (TRAIN, W1, "ready")], 10.0)
     assert since == {(IMAGES, W1): 10.0}
     assert due(since, 11.0, 5.0) == []
-    since = track(since, [(IMAGES, W1, "released")], 15.5)  # released counts as not held
+    since = track(since, [(IMAGES, W1, "released")], 15.5)  # released: not computing either
     assert due(since, 15.5, 5.0) == [Lost(IMAGES, W1, 5.5)]
     assert track(since, [(IMAGES, W1, "executing")], 16.0) == {}  # it got it after all
     assert track(since, [], 16.0) == {}  # not asked this look: start again
     assert track(since, [(IMAGES, W2, None)], 16.0) == {(IMAGES, W2): 16.0}  # moved elsewhere
+    # waiting to receive it from another worker, while the scheduler waits for this one
+    for state in ("fetch", "flight", "missing"):
+        assert track(since, [(IMAGES, W1, state)], 16.0) == since
+    for state in ("waiting", "ready", "constrained", "executing", "long-running", "memory",
+                  "error", "cancelled", "resumed"):  # at work, or its answer is on its way
+        assert track(since, [(IMAGES, W1, state)], 16.0) == {}
 
 
 def test_the_limit_never_drops_below_the_floor():
@@ -85,9 +93,9 @@ def test_the_scheduler_lists_what_the_run_waits_on_through_other_tokens():
     assert (("train" + RUN, 3, 2), W2) not in assignments.assigned(RUN, dask_scheduler=sched)
 
 
-def test_a_worker_says_what_it_holds():
+def test_a_worker_says_what_it_knows():
     worker = NS(address=W1, state=NS(tasks={TRAIN: NS(state="constrained")}))
-    assert assignments.held({W1: [TRAIN, IMAGES], W2: [("x", 1)]}, dask_worker=worker) == {
+    assert assignments.states({W1: [TRAIN, IMAGES], W2: [("x", 1)]}, dask_worker=worker) == {
         TRAIN: "constrained", IMAGES: None}
 
 
@@ -109,6 +117,15 @@ class _FakeClient:
         return {w: function(*args, dask_worker=self.workers[w]) for w in workers}
 
 
+class _Inline:
+    """An executor that answers at once (the watchdog reads the answer at its next look)."""
+
+    def submit(self, function, *args):
+        future = Future()
+        future.set_result(function(*args))
+        return future
+
+
 @pytest.mark.parametrize("state_on_w1", ["executing", "ready", "waiting", "constrained"])
 def test_a_task_the_worker_never_got_is_assigned_again_and_nothing_else(state_on_w1):
     """w1 never got the dataset block (no state); it reports the queued train task as
@@ -120,17 +137,18 @@ def test_a_task_the_worker_never_got_is_assigned_again_and_nothing_else(state_on
                                      ("train" + RUN, 3, 2): NS(state="executing")}))})
     now, log = [100.0], []
     dog = watchdog.Watchdog(client, ClusterConfig(stall_min_s=10.0), log.append,
-                            clock=lambda: now[0])
-    for t in (100.0, 105.0, 110.0):  # not held for 10 s: not yet past the limit
+                            clock=lambda: now[0], executor=_Inline())
+    # Each look reads the answers to the question of the look before: not computed since 100.
+    for t in (100.0, 105.0, 110.0, 110.6):  # 10 s by the answer read at 110.6: not past it
         now[0] = t
         assert dog.check(RUN) == [] and rescheduled == [], log
-    now[0] = 110.6
-    dog.check(RUN)
+    now[0] = 111.0
+    dog.check(RUN)  # the answer to the question of 110.6
     assert rescheduled == [(IMAGES, W1)], log
     assert len(log) == 1 and log[0] == (
-        f"lost assignment: {IMAGES} has been processing on {W1} for 11 s but the worker does "
-        "not hold it (no state); assigning it again"), log
-    for t in (111.0, 300.0):  # released on the scheduler: not listed, not judged again
+        f"lost assignment: {IMAGES} has been processing on {W1} for 11 s but the worker "
+        "has no state for it; assigning it again"), log
+    for t in (112.0, 300.0):  # released on the scheduler: not listed, not judged again
         now[0] = t
         dog.check(RUN)
     assert rescheduled == [(IMAGES, W1)] and len(log) == 1, log
@@ -145,15 +163,34 @@ def test_no_answer_is_no_evidence():
 
     now, log = [0.0], []
     dog = watchdog.Watchdog(Silent(sched, {}), Config().cluster, log.append,
-                            clock=lambda: now[0])
+                            clock=lambda: now[0], executor=_Inline())
     for t in (0.0, 100.0, 1000.0):
         now[0] = t
         dog.check(RUN)
     assert rescheduled == [] and log == []
 
 
+def test_a_look_never_waits_for_the_workers():
+    """A worker stopped since its last heartbeat never answers: the looks go on meanwhile."""
+    sched, _ = _scheduler(time.time())
+    release = threading.Event()
+
+    class Stopped(_FakeClient):
+        def sync(self, *args, **kwargs):
+            release.wait(30)
+            raise TimeoutError
+
+    dog = watchdog.Watchdog(Stopped(sched, {}), Config().cluster, lambda line: None)
+    start = time.monotonic()
+    for _ in range(3):
+        dog.check(RUN)
+    took = time.monotonic() - start
+    release.set()
+    assert took < 1.0, took
+
+
 def test_the_remote_functions_pickle_by_reference():
-    for f in (assignments.assigned, assignments.held, assignments.reschedule, watchdog.survey):
+    for f in (assignments.assigned, assignments.states, assignments.reschedule, watchdog.survey):
         assert pickle.loads(pickle.dumps(f)) is f
 
 
