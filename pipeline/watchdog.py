@@ -17,8 +17,7 @@ tasks keep ageing) and :func:`judge` compares that with the median of the stage'
 The same look also catches a task that waits without anything being slow: one the scheduler has
 processing on a live worker that has never heard of it (a lost ``compute-task`` message). That
 worker is asked what it knows of it; a task it has not been computing for ``stall_min_s`` is
-assigned again
-(:mod:`pipeline.assignments`).
+assigned again (:mod:`pipeline.assignments`).
 
 :func:`judge` is pure; :class:`Watchdog` is the Dask side.
 """
