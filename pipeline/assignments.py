@@ -3,10 +3,14 @@ it is not computing it (it never heard of it) is assigned again.
 
 The scheduler hands a task to a worker with one ``compute-task`` message and then waits for the
 worker's answer. Once in a while (about 1 fault-test run in 5 on distributed 2026.8.0, after two
-workers were killed one after the other) that message is lost: the scheduler lists a dataset
-block as processing on the one live worker, the worker had no state for it, nothing executed
-and nothing times out, so the run waits forever. Neither the worker's heartbeat (it is alive) nor
-its executing figures (it runs nothing) shows it; only asking the worker does.
+workers were killed one after the other) the answer never comes: the scheduler lists a dataset
+block as processing on the one live worker, the worker has no state for it, nothing executes
+and nothing times out, so the run waits forever. The worker had been fetching the block from a
+killed worker for a dependent task; asked to compute it, then told to free the dependent, it
+cancels the block and forgets it when the fetch fails (distributed's worker state machine does
+this; ``tests/pipeline/test_assignments.py`` drives it there). A lost ``compute-task`` message
+ends the same. Neither the worker's heartbeat (it is alive) nor its executing figures (it runs
+nothing) show it; only asking the worker does.
 
 :class:`Watchdog <pipeline.watchdog.Watchdog>` asks between its slices: :func:`assigned` (on the
 scheduler) lists the tasks the run waits on that are processing on a live worker, including the

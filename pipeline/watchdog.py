@@ -15,9 +15,9 @@ tasks keep ageing) and :func:`judge` compares that with the median of the stage'
   driver's recovery. Every value is keyed by seed and coordinates, so the result is unchanged.
 
 The same look also catches a task that waits without anything being slow: one the scheduler has
-processing on a live worker that has never heard of it (a lost ``compute-task`` message). That
-worker is asked what it knows of it; a task it has not been computing for ``stall_min_s`` is
-assigned again (:mod:`pipeline.assignments`).
+processing on a live worker that has forgotten it or never got it. That worker is asked what it
+knows of it; a task it has not been computing for ``stall_min_s`` is assigned again
+(:mod:`pipeline.assignments`).
 
 :func:`judge` is pure; :class:`Watchdog` is the Dask side.
 """

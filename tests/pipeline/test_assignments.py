@@ -194,6 +194,37 @@ def test_the_remote_functions_pickle_by_reference():
         assert pickle.loads(pickle.dumps(f)) is f
 
 
+def test_the_worker_state_that_hung_ci_is_judged():
+    """distributed's own worker state machine, driven as in the CI hang: worker C fetches the
+    dataset block I from B for its augment task A; B is killed; the scheduler, which lists no
+    one holding I any more, asks C to compute I, then frees A; C's fetch from B fails. On
+    distributed 2026.8.0 C then forgets I (resumed -> cancelled when A is freed, then forgotten
+    when the fetch fails) while the scheduler waits for C to compute it: no state, its
+    dependency L in memory, nothing ready or executing. That is judged; a worker state machine
+    that keeps computing I is not."""
+    from distributed.worker_state_machine import (ComputeTaskEvent, FreeKeysEvent,
+                                                  GatherDepNetworkFailureEvent, UpdateDataEvent,
+                                                  WorkerState)
+    b, c = "127.0.0.1:2", "127.0.0.1:3"
+    load, augment = ("load" + DATA, 4), ("augment" + RUN, 3, 1)
+    ws = WorkerState(address=c, nthreads=1, validate=True)
+    ws.handle_stimulus(
+        UpdateDataEvent(data={load: 1}, stimulus_id="load"),
+        ComputeTaskEvent.dummy(key=augment, who_has={IMAGES: [b]}, stimulus_id="assign-A"),
+        ComputeTaskEvent.dummy(key=IMAGES, who_has={load: [c]}, stimulus_id="B-lost:compute-I"),
+        FreeKeysEvent(keys=[augment], stimulus_id="B-lost:free-A"),
+        GatherDepNetworkFailureEvent(worker=b, total_nbytes=1, stimulus_id="fetch-from-B-failed"))
+    state = assignments.states({c: [IMAGES]}, dask_worker=NS(address=c, state=ws))[IMAGES]
+    since = track({}, [(IMAGES, c, state)], 0.0)
+    since = track(since, [(IMAGES, c, ws.tasks[IMAGES].state if IMAGES in ws.tasks else None)],
+                  61.0)
+    if state in assignments.NOT_COMPUTING:  # distributed 2026.8.0: forgotten, as in CI
+        assert ws.tasks[load].state == "memory" and not ws.ready and not ws.executing
+        assert due(since, 61.0, 60.0) == [Lost(IMAGES, c, 61.0)]
+    else:  # a worker that keeps it (waiting, ready, ...) is never judged
+        assert due(since, 61.0, 60.0) == []
+
+
 # --- a real lost message ------------------------------------------------------------------------
 
 
