@@ -364,9 +364,18 @@ def _scheduler_tasks(client) -> int:
 
 
 def _worker_memory(client) -> dict:
-    """{worker: (keys held, bytes held, process RSS)}."""
+    """{worker: (keys held, bytes held, process RSS)}. RSS after a collection and a
+    ``malloc_trim``: what the process holds, not what glibc's arenas kept after freeing (CI saw
+    a worker's untrimmed RSS grow 45 MiB over 273 rounds with nothing held)."""
     def probe(dask_worker):
+        import ctypes
+        import gc
         import psutil
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc: the untrimmed figure
+            pass
         return (len(dask_worker.data), dask_worker.state.nbytes,
                 psutil.Process().memory_info().rss)
     return client.run(probe)
