@@ -33,7 +33,8 @@ def config(a, **fields):
     base = {"data.source": a.data, "model.name": a.model, "train.optimizer": a.optimizer,
             "train.lr": a.lr, "train.batch_size": a.batch_size, "train.epochs": a.epochs,
             "train.device": a.device, "augment.policy": "cifar", "seed": a.seed,
-            "progress": False, "checkpoint_every": 0, "train.recipe": not a.no_recipe}
+            "progress": False, "checkpoint_every": 0, "train.recipe": not a.no_recipe,
+            "train.lr_decay": a.lr_decay}
     return Config().replace(**{**base, **fields})
 
 
@@ -91,10 +92,13 @@ def main(argv=None):
     p.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
     p.add_argument("--workers", type=int, default=2, help="CPU workers of the equal-epoch part")
     p.add_argument("--part", default="all", choices=["all", "equal-epoch", "time"])
+    p.add_argument("--lr-decay", default="cosine", choices=["none", "cosine"],
+                   help="the learning-rate decay of both runs after the warmup")
     p.add_argument("--no-recipe", action="store_true", help="ipm without the scale-out recipe")
     a = p.parse_args(argv)
     figures = {"bench": "time_to_accuracy", "data": a.data, "model": a.model,
                "epochs": a.epochs, "device": a.device, "recipe": not a.no_recipe,
+               "lr_decay": a.lr_decay,
                "equal_epoch_gap_k4": None, "time_ratio_k2": None}
     if a.part in ("all", "equal-epoch"):
         figures.update(equal_epoch(a))

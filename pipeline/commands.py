@@ -49,6 +49,8 @@ _TRAIN_OPTIONS = [
      "or sqrt(K), for large global batches", ""),
     ("--warmup-epochs", "train.warmup_epochs", float, "E", "raise the learning rate linearly to "
      "--lr over the first E epochs", "epochs"),
+    ("--lr-decay", "train.lr_decay", str, "SCHEDULE", "none | cosine: after the warmup, lower "
+     "the learning rate along a half cosine to 0 at --epochs", ""),
     ("--outer-lr", "average.outer_lr", float, "LR", "ipm: outer learning rate on the averaged "
      "update (1: plain averaging)", ""),
     ("--outer-momentum", "average.outer_momentum", float, "M", "ipm: outer Nesterov momentum, as "

@@ -14,6 +14,7 @@ OPTIMIZERS = ("sgd", "momentum", "adam")
 DEVICES = ("cpu", "gpu", "auto")
 OPT_STATE_MODES = ("auto", "keep", "reset", "average")
 LR_SCALINGS = ("auto", "none", "linear", "sqrt")
+LR_DECAYS = ("none", "cosine")
 CPU_KERNELS = ("ours", "chainer")
 AVERAGE_ALGORITHMS = ("auto", "tree", "sharded", "hierarchical")
 
@@ -153,6 +154,8 @@ class TrainConfig:
     #                           004); auto: the strategy's recipe (none unless it says otherwise)
     warmup_epochs: float | None = None  # linear lr warmup over this many epochs (seed 004);
     #                                     None: the strategy's recipe (0 unless it says otherwise)
+    lr_decay: str = "none"  # none | cosine: after the warmup, lower the lr along a half cosine
+    #                         to 0 at train.epochs (the horizon: --resume --epochs changes it)
     recipe: bool = True  # fill "auto" fields with the strategy's scale-out recipe for K > 1
     #                      (docs/scaling.md); False: the plain values
     device: str = "cpu"  # cpu | gpu | auto (gpu when a worker advertises the GPU resource)
@@ -186,6 +189,8 @@ class TrainConfig:
                self.adam_eps)
         _check(self.lr_scaling in LR_SCALINGS, "train.lr_scaling", f"must be one of {LR_SCALINGS}",
                self.lr_scaling)
+        _check(self.lr_decay in LR_DECAYS, "train.lr_decay", f"must be one of {LR_DECAYS}",
+               self.lr_decay)
         _check(self.warmup_epochs is None or self.warmup_epochs >= 0, "train.warmup_epochs",
                "must be >= 0", self.warmup_epochs)
         _check(self.device in DEVICES, "train.device", f"must be one of {DEVICES}", self.device)

@@ -125,21 +125,42 @@ def shard_positions(rnd: Round, replica: int, replicas: int, batch_size: int) ->
 
 
 def learning_rate(base_lr: float, replicas: int, scaling: str, warmup_steps: int,
-                  global_step: int) -> float:
+                  global_step: int, decay: str = "none", total_steps: int = 0) -> float:
     """Replica learning rate at ``global_step``: ``base_lr`` scaled by K (linear) or sqrt(K),
     reached by a linear warmup over ``warmup_steps`` as in Goyal et al. and Horovod (seed 004).
 
     With scaling the warmup starts from the unscaled ``base_lr``; without it, from zero.
+    ``decay`` "cosine" then lowers it along a half cosine to zero at ``total_steps`` (SGDR
+    without restarts, Loshchilov & Hutter 2017; see ``decay_factor``).
 
     >>> learning_rate(0.1, 4, "linear", 0, 0)
     0.4
     >>> learning_rate(0.1, 4, "linear", 10, 5)
     0.25
+    >>> learning_rate(0.1, 1, "none", 0, 50, "cosine", 100)
+    0.05
     """
     factor = {"none": 1.0, "linear": float(replicas), "sqrt": math.sqrt(replicas)}[scaling]
     target = base_lr * factor
     if warmup_steps <= 0 or global_step >= warmup_steps:
-        return target
+        return target * decay_factor(decay, global_step, warmup_steps, total_steps)
     start = base_lr if factor > 1 else 0.0
     frac = (global_step + 1) / (warmup_steps + 1) if start == 0.0 else global_step / warmup_steps
     return start + (target - start) * frac
+
+
+def decay_factor(decay: str, global_step: int, warmup_steps: int, total_steps: int) -> float:
+    """The share of the peak learning rate left at ``global_step``: 1 for "none"; for "cosine"
+    ``(1 + cos(pi * t)) / 2`` with ``t`` the share of the steps after the warmup that are done,
+    so the rate falls from the peak at the warmup's end to 0 at ``total_steps``.
+
+    >>> [round(decay_factor("cosine", s, 2, 10), 3) for s in (2, 6, 10)]
+    [1.0, 0.5, 0.0]
+    """
+    if decay == "none":
+        return 1.0
+    span = total_steps - warmup_steps
+    if span <= 0:
+        return 1.0
+    t = min(max(global_step - warmup_steps, 0) / span, 1.0)
+    return 0.5 * (1.0 + math.cos(math.pi * t))

@@ -30,9 +30,15 @@ class Context(NamedTuple):
     def warmup_steps(self) -> int:
         return int(round(self.config.train.warmup_epochs * self.per_epoch))
 
+    @property
+    def total_steps(self) -> int:
+        """Global steps in ``train.epochs`` epochs: the horizon of a decaying learning rate."""
+        return int(round(self.config.train.epochs * self.per_epoch))
+
     def lrs(self, rnd: Round) -> tuple:
         t = self.config.train
-        return tuple(learning_rate(t.lr, self.replicas, t.lr_scaling, self.warmup_steps, s)
+        return tuple(learning_rate(t.lr, self.replicas, t.lr_scaling, self.warmup_steps, s,
+                                   t.lr_decay, self.total_steps)
                      for s in range(rnd.global_step, rnd.global_step + rnd.steps))
 
     def spec(self, rnd: Round, replica: int, mode: str = "steps") -> StepSpec:

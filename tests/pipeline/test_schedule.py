@@ -59,3 +59,31 @@ def test_warmup_reaches_scaled_rate():
     assert all(a <= b for a, b in zip(lrs, lrs[1:]))
     assert learning_rate(0.1, 4, "none", 0, 3) == 0.1
     assert 0 < learning_rate(0.1, 1, "none", 4, 0) < 0.1
+
+
+def test_cosine_decay_starts_at_the_warmed_up_peak_and_ends_at_zero():
+    total, warm = 100, 10
+    lrs = [learning_rate(0.1, 4, "sqrt", warm, s, "cosine", total) for s in range(total + 1)]
+    assert lrs[warm] == pytest.approx(0.2) and lrs[total] == pytest.approx(0.0, abs=1e-15)
+    assert lrs[warm + 45] == pytest.approx(0.1)  # half-way through the decay: half the peak
+    assert all(a >= b for a, b in zip(lrs[warm:], lrs[warm + 1:]))  # never rises after warmup
+    assert lrs[:warm] == [learning_rate(0.1, 4, "sqrt", warm, s) for s in range(warm)]
+    assert learning_rate(0.1, 4, "sqrt", warm, 55, "none", total) == pytest.approx(0.2)
+
+
+def test_the_strategies_train_with_the_decayed_rates():
+    from pipeline import Config
+    from pipeline.strategies.base import Context
+    cfg = Config().replace(**{"train.epochs": 2.0, "train.lr": 0.1, "train.lr_decay": "cosine",
+                              "train.warmup_epochs": 0.0, "train.lr_scaling": "none"})
+    ctx = Context(cfg, 1, 1000, 50, 10, "cpu")
+    rounds = plan_rounds(1000, 1, 20, 2.0, 10, "never")
+    lrs = [lr for r in rounds for lr in ctx.lrs(r)]
+    assert len(lrs) == 100 and lrs[0] == pytest.approx(0.1) and lrs[-1] < 1e-4
+    assert lrs[50] == pytest.approx(0.05, rel=0.05)
+
+
+def test_an_unknown_decay_is_a_usage_error():
+    from pipeline import Config
+    with pytest.raises(ValueError, match="train.lr_decay"):
+        Config().replace(**{"train.lr_decay": "linear"}).validate()
