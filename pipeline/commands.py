@@ -121,7 +121,7 @@ _TRAIN_OPTIONS = [
 _CLUSTER_FIELDS = {f for _, f, *_ in _TRAIN_OPTIONS if f.startswith("cluster.")}
 _RECIPE = "the strategy's recipe: for ipm with K > 1 and adam "
 _NO_DEFAULT = {"cluster.workers": "one per core", "cluster.scheduler": "none: a local cluster",
-               "train.lr_scaling": _RECIPE + "sqrt, else none",
+               "train.lr_scaling": "none",
                "train.warmup_epochs": _RECIPE + "1, else 0",
                "average.optimizer_state": _RECIPE + "average, else keep",
                "average.outer_lr": "1", "average.outer_warmup_epochs": "0",

@@ -102,10 +102,10 @@ def test_recipe_fills_auto_fields_for_ipm_k_gt_1_only():
     ipm = strategies.get("ipm").resolve(_config(**{"train.strategy": "ipm", "train.replicas": 4,
                                                    "train.optimizer": "adam", "train.epochs": 20}))
     assert (ipm.train.lr_scaling, ipm.train.warmup_epochs, ipm.average.optimizer_state,
-            ipm.average.outer_lr) == ("sqrt", 1.0, "average", 1.0)
+            ipm.average.outer_lr) == ("none", 1.0, "average", 1.0)
     given = strategies.get("ipm").resolve(_config(**{"train.replicas": 4, "train.optimizer": "adam",
-                                                     "train.lr_scaling": "none"}))
-    assert given.train.lr_scaling == "none" and given.average.optimizer_state == "average"
+                                                     "train.lr_scaling": "sqrt"}))
+    assert given.train.lr_scaling == "sqrt" and given.average.optimizer_state == "average"
     sgd = strategies.get("ipm").resolve(_config(**{"train.replicas": 4}))  # momentum: plain
     assert (sgd.train.lr_scaling, sgd.average.optimizer_state) == ("none", "keep")
     off = strategies.get("ipm").resolve(_config(**{"train.replicas": 4, "train.recipe": False}))
