@@ -88,6 +88,10 @@ _TRAIN_OPTIONS = [
     ("--seed", "seed", int, "N", "run seed: every random choice derives from it", ""),
     ("--checkpoint-every", "checkpoint_every", int, "N", "write a checkpoint every N rounds and at "
      "the end (0: at the end only)", "rounds"),
+    ("--anchor-every", "anchor_every", int, "N", "at most N rounds between anchors: also gather "
+     "the state every N rounds between checkpoints (unwritten) and go on from it as a fresh root, "
+     "which bounds what a lost worker replays and what the workers keep (0: at checkpoints "
+     "only)", "rounds"),
     ("--eval-every", "eval_every", int, "N", "evaluate on the test set every N rounds as well as "
      "at each epoch's end (0: epoch ends only)", "rounds"),
     ("--device", "train.device", str, "NAME", "cpu | gpu | auto (gpu when a worker advertises "
@@ -127,7 +131,7 @@ _NO_DEFAULT = {"cluster.workers": "one per core", "cluster.scheduler": "none: a 
                "average.outer_lr": "1", "average.outer_warmup_epochs": "0",
                "train.beta1": "0.9", "train.beta2": "0.999", "train.adam_eps": "1e-8",
                "asynchronous.max_staleness": "no bound"}
-_TOP_LEVEL = ("seed", "checkpoint_every", "eval_every", "tensorboard", "csv")
+_TOP_LEVEL = ("seed", "checkpoint_every", "anchor_every", "eval_every", "tensorboard", "csv")
 
 TRAIN_DESCRIPTION = """\
 Train a model with K replicas on a Dask cluster (a local one unless --scheduler is given).

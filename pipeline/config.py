@@ -331,6 +331,13 @@ class Config:
     out: str | None = None  # output directory (metrics.jsonl, model.npz, curves.png, checkpoints)
     eval_every: int = 0  # evaluate every N rounds as well as at each epoch end; 0 = epochs only
     checkpoint_every: int = 10  # checkpoint every N rounds (and at the end); 0 = end only
+    # At most this many rounds between anchors: where checkpoints are further apart (or off, or
+    # there is no --out) the driver also gathers the state every N rounds and restarts from it
+    # as a fresh root, unwritten. Bounds what a lost worker replays and the lineage a worker
+    # keeps (distributed keeps a released task's record while a task computed from it on that
+    # worker is alive: an unbroken chain of rounds grows a worker ~40 KiB a round). 0 = anchors
+    # at checkpoints only.
+    anchor_every: int = 100
     progress: bool = True  # show a progress bar on stderr
     tensorboard: bool = False  # also write TensorBoard event files to OUT/tensorboard/
     csv: bool = False  # also write the metrics as OUT/metrics.csv (one row per round)
@@ -351,6 +358,7 @@ class Config:
                "must be a directory path (or None for no outputs)", self.out)
         _check(self.eval_every >= 0, "eval_every", "must be >= 0", self.eval_every)
         _check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0", self.checkpoint_every)
+        _check(self.anchor_every >= 0, "anchor_every", "must be >= 0", self.anchor_every)
         return self
 
     def replace(self, **sections) -> "Config":

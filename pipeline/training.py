@@ -409,7 +409,7 @@ class _Run:
             attempt.pending.append(_Pending(rnd, submitted.live, submitted.metrics, evals))
             if len(attempt.pending) > 1:
                 self._collect(attempt.pending.pop(0), stream, strategy, progress)
-            if self._checkpoints(rnd) or rnd.index == last:
+            if self._checkpoints(rnd) or self._anchors(rnd) or rnd.index == last:
                 self._collect(attempt.pending.pop(0), stream, strategy, progress)
                 state = strategy.gather(rnd.index, attempt.live)
                 _check_finite(state, rnd)
@@ -430,6 +430,12 @@ class _Run:
         every = self.config.checkpoint_every
         return bool(self.out) and (
             rnd.index == len(self.rounds) - 1 or (every > 0 and (rnd.index + 1) % every == 0))
+
+    def _anchors(self, rnd) -> bool:
+        """An anchor without a checkpoint: ``anchor_every`` rounds since the last one. Cutting
+        the lineage there keeps each worker's records bounded (docs/reliability.md)."""
+        every = self.config.anchor_every
+        return every > 0 and rnd.index - self.anchor.round >= every
 
     def _collect(self, pending: _Pending, stream, strategy, progress) -> None:
         """Wait for a round, check it, report it; then the strategy logs what it needs."""

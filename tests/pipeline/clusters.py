@@ -210,8 +210,8 @@ def _stop(procs: Sequence[subprocess.Popen], timeout: float = STOP_TIMEOUT_S) ->
         proc.wait()
 
 
-def _child_env() -> dict:
-    env = dict(os.environ)
+def _child_env(extra: Mapping[str, str] | None = None) -> dict:
+    env = dict(os.environ, **(extra or {}))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env.pop("DASK_SCHEDULER_ADDRESS", None)
     env["PYTHONUNBUFFERED"] = "1"  # logs complete at any moment, for failure messages
@@ -236,15 +236,17 @@ def _wait_for_scheduler_file(path: Path, proc: subprocess.Popen, deadline: float
 def subprocess_cluster(n_workers: int = 2,
                        resources: Mapping[str, float] | Sequence[Mapping[str, float] | None] | None = None,
                        nthreads: int = 1, tls: Mapping[str, TLSFiles] | None = None,
-                       dashboard: bool = True, timeout: float = START_TIMEOUT_S
-                       ) -> Iterator[SubprocessCluster]:
+                       dashboard: bool = True, timeout: float = START_TIMEOUT_S,
+                       env: Mapping[str, str] | None = None) -> Iterator[SubprocessCluster]:
     """Start `dask scheduler` and `n_workers` x `dask worker --nworkers 1` on 127.0.0.1.
 
     resources: one mapping for every worker, or a list with one (or None) per worker, e.g.
     `[{"CPU": 1}, {"GPU": 1}]`. tls: `make_tls(...)` output; the scheduler and workers use its
     "scheduler"/"worker" files and `security` is built from "client". Returns once every worker
     is connected (at most `timeout` s, else TimeoutError with the logs); on exit stops workers,
-    then the scheduler (SIGTERM, SIGKILL after 10 s), even when the body raised.
+    then the scheduler (SIGTERM, SIGKILL after 10 s), even when the body raised. env: variables
+    set for the processes on top of this one's, e.g. Dask config
+    (`DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED="False"`).
     """
     import distributed
 
@@ -256,7 +258,7 @@ def subprocess_cluster(n_workers: int = 2,
             raise ValueError(f"resources has {len(per_worker)} entries for {n_workers} workers")
     tmp = tempfile.TemporaryDirectory(prefix="dask-subprocess-cluster-")
     logdir = Path(tmp.name)
-    env = _child_env()
+    env = _child_env(env)
     deadline = time.monotonic() + timeout
     scheduler = None
     workers: list[subprocess.Popen] = []
