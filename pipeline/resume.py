@@ -16,7 +16,9 @@ from pipeline.rundir import checkpoint_dirs, read_json
 
 # Top-level config fields that may differ between a run and its resume: where and how it runs and
 # what it writes beside the metrics, never what it computes.
-RESUMABLE = frozenset({"cluster", "out", "progress", "tensorboard", "csv"})
+# anchor_every: anchors restart from the gathered state, the same bits (and config.json files
+# from before it lack it).
+RESUMABLE = frozenset({"cluster", "out", "progress", "tensorboard", "csv", "anchor_every"})
 # Fields a resume may change to train a run longer: ``--resume OUT --epochs N``; and fields the
 # data decides (the class count: data.* is compared, and config.json records what the data said).
 EXTENDABLE = frozenset({("train", "epochs"), ("model", "n_classes")})

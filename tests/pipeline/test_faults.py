@@ -356,6 +356,19 @@ def test_damaged_latest_checkpoint_resumes_from_the_one_before(tmp_path, dask_cl
     assert not [p.name for p in out.rglob(".*") if p.name != rundir.MARKER], "temporaries left"
 
 
+def test_anchors_between_checkpoints_change_no_bit(dask_client, reference):
+    """An anchor every 3 rounds (no --out: gathered, not written; the run goes on from it as a
+    fresh root) gives the uninterrupted run's weights."""
+    _equal(train(_config(**{"anchor_every": 3}), client=dask_client).params, reference)
+
+
+def test_resume_accepts_a_config_from_before_anchor_every():
+    from pipeline import resume
+    now = _config().to_dict()
+    old = {k: v for k, v in now.items() if k != "anchor_every"}
+    resume.check_same_run(old, {**now, "anchor_every": 7}, Path("run"))
+
+
 # --- a long run gives everything back -----------------------------------------------------------
 
 
