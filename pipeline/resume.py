@@ -48,9 +48,25 @@ def comparable(config_dict: dict) -> dict:
     return kept
 
 
+def _with_defaults(saved: dict) -> dict:
+    """``saved`` with the fields added since it was written at their defaults: a new field's
+    default is the behaviour from before it (``train.lr_decay`` "none", ...)."""
+    from pipeline.config import Config
+    full = Config().to_dict()
+    for section, value in full.items():
+        if section not in saved:
+            saved = {**saved, section: value}
+        elif isinstance(value, dict) and isinstance(saved[section], dict):
+            saved = {**saved, section: {**value, **saved[section]}}
+    return saved
+
+
 def check_same_run(saved: dict, now: dict, out: Path) -> None:
-    """ResumeError naming the first field where the checkpoint's config and this run's differ."""
-    saved, now = comparable(saved), comparable(now)
+    """ResumeError naming the first field where the checkpoint's config and this run's differ;
+    a field the checkpoint's config lacks (added since) counts at its default."""
+    if not isinstance(saved, dict):
+        raise ResumeError(f"{out}'s checkpoint holds no config (a {type(saved).__name__})")
+    saved, now = comparable(_with_defaults(saved)), comparable(now)
     for section in sorted(set(saved) | set(now)):
         a, b = saved.get(section), now.get(section)
         if isinstance(a, dict) and isinstance(b, dict):

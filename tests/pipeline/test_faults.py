@@ -362,11 +362,16 @@ def test_anchors_between_checkpoints_change_no_bit(dask_client, reference):
     _equal(train(_config(**{"anchor_every": 3}), client=dask_client).params, reference)
 
 
-def test_resume_accepts_a_config_from_before_anchor_every():
+def test_resume_reads_fields_added_since_a_checkpoint_at_their_defaults():
     from pipeline import resume
+    from pipeline.errors import ResumeError
     now = _config().to_dict()
     old = {k: v for k, v in now.items() if k != "anchor_every"}
-    resume.check_same_run(old, {**now, "anchor_every": 7}, Path("run"))
+    old["train"] = {k: v for k, v in old["train"].items() if k != "lr_decay"}
+    resume.check_same_run(old, {**now, "anchor_every": 7}, Path("run"))  # both added since
+    with pytest.raises(ResumeError, match="train.lr_decay is 'none' there and 'cosine' now"):
+        resume.check_same_run(old, {**now, "train": {**now["train"], "lr_decay": "cosine"}},
+                              Path("run"))
 
 
 # --- a long run gives everything back -----------------------------------------------------------
