@@ -9,6 +9,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 import distributed
 from dask.system import CPU_COUNT
@@ -23,6 +24,14 @@ logger = logging.getLogger(__name__)
 _POLL_S = 0.1  # how often require_* ask the scheduler again; a scheduler_info round trip is ~1 ms
 _TLS_FIELDS = (("tls_ca_file", "--tls-ca-file"), ("tls_cert", "--tls-cert"), ("tls_key", "--tls-key"))
 _EMBEDDED: weakref.WeakSet = weakref.WeakSet()  # clusters connect() started: they never gain workers
+
+
+class Roles(NamedTuple):
+    """The resources an embedded cluster's CPU workers advertise: `load` (decode-/augment-
+    tasks ask for it: `augment.resource`) and, beside loader workers, `train` (CPU train- and
+    evaluate- tasks ask for it: `train.cpu_resource`)."""
+    load: str = "CPU"
+    train: str = "TRAIN"
 
 
 def security_from(cfg: ClusterConfig) -> Security | None:
@@ -60,14 +69,14 @@ def scheduler_address(cfg: ClusterConfig) -> str | None:
     return cfg.scheduler or os.environ.get("DASK_SCHEDULER_ADDRESS") or None
 
 
-def default_workers(threads_per_worker: int, gpu_workers: int = 0) -> int:
+def default_workers(threads_per_worker: int, gpu_workers: int = 0, loader_workers: int = 0) -> int:
     """Embedded CPU worker processes that fill the cores (affinity and cgroup aware) left over
-    after one core per GPU worker.
+    after one core per GPU worker and per loader worker.
 
     >>> default_workers(10**6)
     1
     """
-    return max(1, (CPU_COUNT - gpu_workers) // threads_per_worker)
+    return max(1, (CPU_COUNT - gpu_workers - loader_workers) // threads_per_worker)
 
 
 def local_gpus() -> list[str]:
@@ -89,7 +98,8 @@ def local_gpus() -> list[str]:
 
 @contextlib.contextmanager
 def connect(cfg: ClusterConfig, log: Callable[[str], None] | None = None, *,
-            min_workers: int = 1, gpus: Sequence[str] = ()) -> Iterator[distributed.Client]:
+            min_workers: int = 1, gpus: Sequence[str] = (), roles: Roles = Roles()
+            ) -> Iterator[distributed.Client]:
     """A Client for the run: an external scheduler when one is given, else an embedded cluster.
 
     External (`cfg.scheduler` or $DASK_SCHEDULER_ADDRESS): waits at most `cfg.connect_timeout` s
@@ -97,10 +107,13 @@ def connect(cfg: ClusterConfig, log: Callable[[str], None] | None = None, *,
     Embedded: `cfg.workers` processes (default: `default_workers`) on 127.0.0.1, each with
     `cfg.threads_per_worker` threads advertising `CPU=threads_per_worker`, plus one single-thread
     worker per device id in `gpus` (e.g. `local_gpus()`) advertising `GPU=1` and seeing only its
-    device (CUDA_VISIBLE_DEVICES); dashboard on `cfg.dashboard_address`. `gpus` is ignored with an
-    external scheduler: its workers advertise their own resources. `log` (default: this module's
-    logger) gets one line with the scheduler, workers, resources and dashboard link. Everything
-    this opens is closed on exit, also on errors.
+    device (CUDA_VISIBLE_DEVICES); dashboard on `cfg.dashboard_address`. With
+    `cfg.loader_workers` N, N more single-thread workers advertise only `CPU=1` (they decode and
+    augment) and, without GPU workers, the CPU workers advertise `TRAIN=threads_per_worker`
+    instead (they train): `roles` names the two resources. `gpus` and the loaders are ignored
+    with an external scheduler: its workers advertise their own resources. `log` (default: this
+    module's logger) gets one line with the scheduler, workers, resources and dashboard link.
+    Everything this opens is closed on exit, also on errors.
     """
     log = log or logger.info
     address = scheduler_address(cfg)
@@ -109,7 +122,7 @@ def connect(cfg: ClusterConfig, log: Callable[[str], None] | None = None, *,
         if security is not None:
             raise ClusterError("--tls-ca-file/--tls-cert/--tls-key need --scheduler tls://HOST:PORT; "
                                "the embedded LocalCluster listens on 127.0.0.1 without TLS")
-        with _embedded_cluster(cfg, list(gpus)) as client:
+        with _embedded_cluster(cfg, list(gpus), roles) as client:
             log(_summary_line("started local cluster", client))
             yield client
         return
@@ -120,9 +133,10 @@ def connect(cfg: ClusterConfig, log: Callable[[str], None] | None = None, *,
 
 
 @contextlib.contextmanager
-def _embedded_cluster(cfg: ClusterConfig, gpus: list[str]) -> Iterator[distributed.Client]:
+def _embedded_cluster(cfg: ClusterConfig, gpus: list[str],
+                      roles: Roles) -> Iterator[distributed.Client]:
     try:
-        cluster = _start_embedded(cfg, gpus)
+        cluster = _start_embedded(cfg, gpus, roles)
     except RuntimeError as exc:  # "Nanny failed to start": the worker processes died starting
         raise ClusterError(f"could not start the local cluster's worker processes: "
                            f"{one_line(exc, kind=False)} (a script that starts one needs "
@@ -133,7 +147,7 @@ def _embedded_cluster(cfg: ClusterConfig, gpus: list[str]) -> Iterator[distribut
         yield client
 
 
-def _start_embedded(cfg: ClusterConfig, gpus: list[str]) -> distributed.SpecCluster:
+def _start_embedded(cfg: ClusterConfig, gpus: list[str], roles: Roles) -> distributed.SpecCluster:
     """The embedded cluster; its worker processes ignore SIGINT and SIGTERM (they inherit that from
     here), so a Ctrl-C to the terminal's process group reaches only the driver, which stops the
     run at a round boundary and then closes the workers itself."""
@@ -142,20 +156,24 @@ def _start_embedded(cfg: ClusterConfig, gpus: list[str]) -> distributed.SpecClus
         # "Port 8787 is already in use ... Hosting the HTTP server on port N instead": the
         # summary line gives the link that was bound.
         warnings.filterwarnings("ignore", message=".*already in use", category=UserWarning)
-        return _new_embedded(cfg, gpus)
+        return _new_embedded(cfg, gpus, roles)
 
 
-def _new_embedded(cfg: ClusterConfig, gpus: list[str]) -> distributed.SpecCluster:
-    threads = cfg.threads_per_worker
-    n_cpu = cfg.workers or default_workers(threads, len(gpus))
-    if not gpus:
+def _new_embedded(cfg: ClusterConfig, gpus: list[str], roles: Roles) -> distributed.SpecCluster:
+    threads, loaders = cfg.threads_per_worker, cfg.loader_workers
+    n_cpu = cfg.workers or default_workers(threads, len(gpus), loaders)
+    if not gpus and not loaders:
         return distributed.LocalCluster(
             n_workers=n_cpu, threads_per_worker=threads, processes=True, host="127.0.0.1",
-            dashboard_address=cfg.dashboard_address, resources={"CPU": threads})
+            dashboard_address=cfg.dashboard_address, resources={roles.load: threads})
     # Unlike workers: LocalCluster gives all workers the same options, SpecCluster one spec each.
+    # Beside loaders the CPU workers train, unless GPU workers do (then they load as well).
+    cpu_role = roles.train if loaders and not gpus else roles.load
     common = {"host": "127.0.0.1", "silence_logs": logging.WARN, "dashboard": False}
     specs = {f"cpu-{i}": {"cls": distributed.Nanny, "options": {
-        **common, "nthreads": threads, "resources": {"CPU": threads}}} for i in range(n_cpu)}
+        **common, "nthreads": threads, "resources": {cpu_role: threads}}} for i in range(n_cpu)}
+    specs.update({f"loader-{i}": {"cls": distributed.Nanny, "options": {
+        **common, "nthreads": 1, "resources": {roles.load: 1}}} for i in range(loaders)})
     per_device, gpu_threads = cfg.gpu_workers_per_device, cfg.gpu_threads
     specs.update({f"gpu-{d}" + (f"-{j}" if per_device > 1 else ""): {
         "cls": distributed.Nanny, "options": {
@@ -212,14 +230,16 @@ def has_resource(client: distributed.Client, name: str) -> bool:
     return any(res.get(name, 0) > 0 for res in worker_resources(client).values())
 
 
-def require_resource(client: distributed.Client, name: str, timeout: float) -> None:
+def require_resource(client: distributed.Client, name: str, timeout: float, *,
+                     wait: bool = False) -> None:
     """Return once a worker advertises resource `name`; ClusterError after `timeout` s otherwise.
 
     A cluster that `connect` embedded will not gain workers, so it is checked once without
-    waiting. The error lists what the workers do advertise.
+    waiting, unless `wait` (before a replay: its nannies restart a lost worker). The error lists
+    what the workers do advertise.
     """
     embedded = client.cluster is not None and client.cluster in _EMBEDDED
-    deadline = time.monotonic() + (0 if embedded else timeout)
+    deadline = time.monotonic() + (0 if embedded and not wait else timeout)
     while True:
         resources = worker_resources(client)
         if any(res.get(name, 0) > 0 for res in resources.values()):

@@ -98,6 +98,10 @@ _TRAIN_OPTIONS = [
      "--gpu-resource)", ""),
     ("--gpu-resource", "train.gpu_resource", str, "NAME", "worker resource that GPU tasks ask "
      "for", ""),
+    ("--cpu-resource", "train.cpu_resource", str, "NAME", "worker resource that CPU train and "
+     "evaluate tasks ask for when a worker advertises it (dedicated training workers)", ""),
+    ("--loader-workers", "cluster.loader_workers", int, "N", "local cluster: one-thread worker "
+     "processes that only decode and augment; the CPU workers then only train", "workers"),
     ("--gpu-workers-per-device", "cluster.gpu_workers_per_device", int, "N", "local cluster: GPU "
      "worker processes per device", "workers"),
     ("--gpu-threads", "cluster.gpu_threads", int, "N", "local cluster: threads per GPU worker",

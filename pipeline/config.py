@@ -160,6 +160,8 @@ class TrainConfig:
     #                      (docs/scaling.md); False: the plain values
     device: str = "cpu"  # cpu | gpu | auto (gpu when a worker advertises the GPU resource)
     gpu_resource: str = "GPU"  # worker resource name that GPU train- tasks ask for
+    cpu_resource: str = "TRAIN"  # worker resource that CPU train-/evaluate- tasks ask for when a
+    #                              worker advertises it (training workers beside loader workers)
     tta: bool = False  # evaluate with test-time augmentation (flip + shifted crops)
 
     def validate(self) -> None:
@@ -288,6 +290,8 @@ class ClusterConfig:
     #                                  share the device by time-slicing; benchmarks/gpu.py)
     gpu_threads: int = 1  # LocalCluster threads per GPU worker (concurrent train- tasks in one
     #                       process and CUDA context)
+    loader_workers: int = 0  # LocalCluster one-thread worker processes that only load (decode-,
+    #                          augment-); the CPU workers then only train (train.cpu_resource)
     # The stalled-task watchdog (pipeline.watchdog): a task running stall_report x its peers'
     # median is reported, past stall_retire x the median its worker is retired so the work is
     # replayed elsewhere; neither before it has run stall_min_s seconds. 0 turns retiring off.
@@ -311,6 +315,8 @@ class ClusterConfig:
                "must be in [1, 64]", self.gpu_workers_per_device)
         _check(1 <= self.gpu_threads <= 64, "cluster.gpu_threads", "must be in [1, 64]",
                self.gpu_threads)
+        _check(0 <= self.loader_workers <= 1024, "cluster.loader_workers", "must be in [0, 1024]",
+               self.loader_workers)
         _in(self.stall_report, 1, 1e6, "cluster.stall_report")
         _check(self.stall_retire == 0 or self.stall_report <= self.stall_retire <= 1e6,
                "cluster.stall_retire", "must be 0 (never) or in [cluster.stall_report, 1e6]",

@@ -36,10 +36,12 @@ class Persisted(NamedTuple):
     note: str = ""  # one line for the run's log: what the cache holds, or why it is off
 
 
-def persist_dataset(client: distributed.Client, dataset, eval_chunk: int = 250) -> Persisted:
-    """Load the raw data onto the cluster once (``load-``/``decode-`` tasks); consumers refer to
-    it by key. Decoded image folders too, unless they do not fit (`image_readers.cache_decision`):
-    then only the test split is kept and each round decodes its own shards."""
+def persist_dataset(client: distributed.Client, dataset, eval_chunk: int = 250,
+                    resources: dict | None = None) -> Persisted:
+    """Load the raw data onto the cluster once (``load-``/``decode-`` tasks, asking for
+    ``resources``: the loading workers'); consumers refer to it by key. Decoded image folders
+    too, unless they do not fit (`image_readers.cache_decision`): then only the test split is
+    kept and each round decodes its own shards."""
     from pipeline import image_readers
     test_images = dataset.test_images.rechunk({0: eval_chunk})
     test_labels = dataset.test_labels.rechunk({0: eval_chunk})
@@ -50,7 +52,7 @@ def persist_dataset(client: distributed.Client, dataset, eval_chunk: int = 250) 
         stream = None if cached else stream
     train = [] if stream is not None else [dataset.train_images, dataset.train_labels]
     with distributed.span("load"):
-        arrays = client.persist(train + [test_images, test_labels])
+        arrays = client.persist(train + [test_images, test_labels], resources=resources)
 
     def blocks(array):
         by_key = {f.key: f for f in distributed.futures_of(array)}
@@ -143,8 +145,9 @@ class RoundGraph:
 
     def _pinned(self, replica: int) -> dict:
         """``submit`` arguments that keep replica k where the averaging plan placed it, or with
-        ``cluster.pin_replicas`` on worker k mod W (workers sorted by name), as a rank stays on
-        its GPU; a soft preference, so a lost worker's replica moves on."""
+        ``cluster.pin_replicas`` on worker k mod W (the W workers offering the train resources,
+        sorted by name), as a rank stays on its GPU; a soft preference, so a lost worker's
+        replica moves on."""
         placement = self.average_plan().placement
         if placement is not None:
             return dict(workers=[placement.replica_worker[replica]], allow_other_workers=True)
@@ -152,7 +155,10 @@ class RoundGraph:
             return {}
         if self._workers is None:
             info = self.client.scheduler_info(n_workers=-1)["workers"]
-            self._workers = [a for a, _ in sorted(info.items(), key=lambda w: str(w[1]["name"]))]
+            able = {a for hosts in averaging_algorithms.workers_by_host(
+                self.client, self.train_resources).values() for a in hosts}
+            self._workers = [a for a, _ in sorted(info.items(), key=lambda w: str(w[1]["name"]))
+                             if a in able]
         if not self._workers:
             return {}
         return dict(workers=[self._workers[replica % len(self._workers)]],
@@ -181,7 +187,8 @@ class RoundGraph:
                                      **where)
             if fields is None:
                 return fut
-            return tuple(self.client.submit(pick, fut, i, key=(*key, name), pure=False)
+            return tuple(self.client.submit(pick, fut, i, key=(*key, name), pure=False,
+                                            resources=resources)
                          for i, name in enumerate(fields))
 
     def _perm(self, epoch: int) -> np.ndarray:
@@ -218,7 +225,10 @@ class RoundGraph:
             fut = self.client.submit(tasks.train, params, opt, shard, spec, key=key, pure=False,
                                      resources=self.train_resources,
                                      **self._pinned(replica if pin is None else pin))
-            picks = tuple(self.client.submit(pick, fut, i, key=(*key, name), pure=False)
+            # The picks ask for what the train- task did: a recomputed pick after a lost worker
+            # would otherwise fetch the whole result to any worker (a loader) to take a part.
+            picks = tuple(self.client.submit(pick, fut, i, key=(*key, name), pure=False,
+                                             resources=self.train_resources)
                           for i, name in enumerate(("params", "opt", "metrics")))
             return (*picks, fut)
 

@@ -23,8 +23,10 @@ RESUMABLE = frozenset({"cluster", "out", "progress", "tensorboard", "csv", "anch
 # data decides (the class count: data.* is compared, and config.json records what the data said).
 EXTENDABLE = frozenset({("train", "epochs"), ("model", "n_classes")})
 # How the replicas' mean travels between hosts: every averaging algorithm gives the same bits
-# (pipeline.reduce_order), so a run may resume on another cluster with another one.
-TRANSPORT = frozenset({("average", "algorithm"), ("average", "shards"), ("average", "link_gbps")})
+# (pipeline.reduce_order), so a run may resume on another cluster with another one; likewise
+# which workers train (results never depend on placement).
+TRANSPORT = frozenset({("average", "algorithm"), ("average", "shards"), ("average", "link_gbps"),
+                       ("train", "cpu_resource")})
 
 
 class Resume(NamedTuple):

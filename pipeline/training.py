@@ -70,10 +70,11 @@ def train(config: Config, client=None, *, resume: bool = False, overwrite: bool 
     prep = _prepare(config, out, dataset, found) if dataset is not None else None
     if prep is not None and prep.complete:
         return _already_complete(config, out, prep, log)
-    from pipeline.cluster import connect
+    from pipeline.cluster import Roles, connect
     with contextlib.ExitStack() as stack:
         if client is None:
-            client = stack.enter_context(connect(config.cluster, log=log, gpus=gpus))
+            roles = Roles(config.augment.resource, config.train.cpu_resource)
+            client = stack.enter_context(connect(config.cluster, log=log, gpus=gpus, roles=roles))
         if prep is None:
             prep = _prepare(config, out, _load_dataset(config, client), found)
             if prep.complete:
@@ -245,7 +246,12 @@ class _Run:
         device, train_res = self._device()
         augment_res = ({cfg.augment.resource: 1}
                        if cluster.has_resource(self.client, cfg.augment.resource) else None)
-        data = graph.persist_dataset(self.client, dataset)
+        if device == "cpu" and train_res:
+            self.log(f"train-/evaluate- tasks on the workers advertising {t.cpu_resource}, "
+                     f"decode-/augment- on those advertising {cfg.augment.resource}"
+                     if augment_res else f"train-/evaluate- tasks on the workers advertising "
+                     f"{t.cpu_resource}")
+        data = graph.persist_dataset(self.client, dataset, resources=augment_res)
         if data.note:
             self.log(data.note)
         self.initial = _initial_params(cfg, dataset.n_classes)
@@ -271,14 +277,19 @@ class _Run:
             self.log(f"average: {self.graph.average_plan().description}")
 
     def _device(self):
+        """``(device, resources train- and evaluate- tasks ask for)``: the GPU resource, or on
+        the CPU ``train.cpu_resource`` when a worker advertises it (training workers beside
+        loaders) and otherwise none (any worker)."""
         from pipeline import cluster
         t, c = self.config.train, self.config.cluster
+        cpu = ("cpu", {t.cpu_resource: 1}
+               if cluster.has_resource(self.client, t.cpu_resource) else None)
         if t.device == "cpu":
-            return "cpu", None
+            return cpu
         if t.device == "gpu":
             cluster.require_resource(self.client, t.gpu_resource, c.resource_timeout)
         elif not cluster.has_resource(self.client, t.gpu_resource):
-            return "cpu", None
+            return cpu
         for line in cluster.check_gpu_workers(self.client, t.gpu_resource):
             self.log(f"GPU worker {line}")
         return "gpu", {t.gpu_resource: 1}
@@ -544,13 +555,21 @@ class _Run:
         del stale
 
     def _await_workers(self) -> None:
-        """Before a replay: at least one worker, and the train resource if the run needs one."""
+        """Before a replay: at least one worker, and the train resource if the run needs one
+        (a lost worker's nanny restarts it). A CPU run whose training workers do not come back
+        trains on the workers left, as it would have started on them."""
         from pipeline import cluster
         timeout = self.config.cluster.connect_timeout
         try:
             cluster.require_workers(self.client, 1, timeout)
             for name in self.graph.train_resources or ():
-                cluster.require_resource(self.client, name, timeout)
+                try:
+                    cluster.require_resource(self.client, name, timeout, wait=True)
+                except ClusterError:
+                    if self.graph.device != "cpu":
+                        raise
+                    self.log(f"no worker advertises {name} any more: training on any worker")
+                    self.graph.train_resources = None
         except ClusterError as err:
             raise ClusterError(f"cannot replay from round {self.anchor.round + 1}: {err}"
                                f"{self._resume_hint()}") from None

@@ -1,0 +1,148 @@
+"""Loader workers: decode- and augment- tasks on their own processes, train- and evaluate- on the
+training workers (`cluster.loader_workers`, `train.cpu_resource`), with the same bytes as a run
+without them."""
+from __future__ import annotations
+
+import pytest
+
+from pipeline import cli, graph, keys
+from pipeline.config import Config
+from pipeline.training import train
+from tests.pipeline.images import write_folder
+
+
+def _config(source: str, **fields) -> Config:
+    base = {"data.source": source, "data.image_size": 32, "data.cache": "off",
+            "data.decode_chunk": 5, "model.name": "small-cnn", "train.strategy": "ipm",
+            "train.replicas": 2, "train.batch_size": 4, "train.epochs": 1.0,
+            "average.mix_every": "2", "augment.policy": "resized-crop", "augment.chunk": 8,
+            "progress": False}
+    return Config().replace(**{**base, **fields})
+
+
+class _Spy:
+    """A run-output hook that reads, before the cluster closes, who ran which stage."""
+
+    def start(self, info):
+        self.client = info.client
+
+    def __call__(self, line):
+        pass
+
+    def close(self):
+        from pipeline.cluster import worker_resources
+        self.resources = worker_resources(self.client)
+        self.stages: dict[str, set] = {}
+        for rec in self.client.get_task_stream():
+            stage = keys.stage_of(rec["key"]) if isinstance(rec["key"], tuple) else None
+            if stage:
+                self.stages.setdefault(stage, set()).add(rec["worker"])
+
+
+def test_loader_workers_load_trainers_train_and_the_bytes_stay(tmp_path, dask_client):
+    root = write_folder(tmp_path / "f", classes=2, per_class=10)
+    spy, lines = _Spy(), []
+    split = train(_config(str(root), **{"cluster.workers": 1, "cluster.loader_workers": 1,
+                                        "cluster.pin_replicas": True,
+                                        "cluster.dashboard_address": "127.0.0.1:0"}),
+                  log=lines.append, hooks=[spy])
+    plain = train(_config(str(root)), dask_client, log=lambda m: None)
+
+    roles = {addr: tuple(sorted(res)) for addr, res in spy.resources.items()}
+    assert sorted(roles.values()) == [("CPU",), ("TRAIN",)]  # one loader, one trainer
+    loader = next(a for a, r in roles.items() if r == ("CPU",))
+    trainer = next(a for a, r in roles.items() if r == ("TRAIN",))
+    assert spy.stages["decode"] == {loader} and spy.stages["augment"] == {loader}
+    assert spy.stages["train"] == {trainer} and spy.stages["evaluate"] == {trainer}
+    assert any("train-/evaluate- tasks on the workers advertising TRAIN, decode-/augment- on "
+               "those advertising CPU" in m for m in lines)
+    a, b = split.params, plain.params
+    assert sorted(a) == sorted(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
+    assert split.history[-1]["test_acc"] == plain.history[-1]["test_acc"]
+
+
+class _Workers:
+    """A client stand-in that only answers ``scheduler_info``: two trainers, one loader."""
+
+    def scheduler_info(self, n_workers=-1):
+        return {"workers": {
+            "tcp://127.0.0.1:1": {"name": "loader-0", "resources": {"CPU": 1}},
+            "tcp://127.0.0.1:2": {"name": "cpu-0", "resources": {"TRAIN": 1}},
+            "tcp://127.0.0.1:3": {"name": "cpu-1", "resources": {"TRAIN": 1}}}}
+
+
+def test_pinned_replicas_go_to_the_training_workers_only():
+    cfg = Config().replace(**{"cluster.pin_replicas": True, "train.replicas": 3})
+    g = graph.RoundGraph(_Workers(), None, cfg, n_classes=10, device="cpu",
+                         train_resources={"TRAIN": 1}, augment_resources={"CPU": 1})
+    assert [g._pinned(k)["workers"] for k in range(3)] == [
+        ["tcp://127.0.0.1:2"], ["tcp://127.0.0.1:3"], ["tcp://127.0.0.1:2"]]
+
+
+def test_loader_workers_option_and_its_check():
+    args = cli.build_parser().parse_args(["train", "--loader-workers", "3", "--cpu-resource",
+                                          "BIG"])
+    assert getattr(args, "cluster.loader_workers") == 3
+    assert getattr(args, "train.cpu_resource") == "BIG"
+    with pytest.raises(ValueError, match=r"cluster\.loader_workers must be in \[0, 1024\]"):
+        Config().replace(**{"cluster.loader_workers": -1}).validate()
+
+
+class _KillTrainer(_Spy):
+    """Kills the training worker's process (SIGKILL) once round 0 is reported; its nanny starts
+    a new one, which the replay waits for."""
+
+    def __call__(self, line):
+        import os
+        import signal
+        from pipeline.cluster import worker_resources
+        if line["round"] != 0:
+            return
+        roles = worker_resources(self.client)
+        self.loader = next(a for a, r in roles.items() if "CPU" in r)
+        trainer = [a for a, r in roles.items() if "TRAIN" in r]
+        pid = self.client.run(os.getpid, workers=trainer)[trainer[0]]
+        os.kill(pid, signal.SIGKILL)
+        self.killed = pid
+
+
+def test_a_lost_training_worker_is_waited_for_and_the_bytes_stay(tmp_path, dask_client):
+    root = write_folder(tmp_path / "f", classes=2, per_class=10)
+    spy, lines = _KillTrainer(), []
+    fields = {"train.epochs": 3.0}
+    split = train(_config(str(root), **fields, **{"cluster.workers": 1, "cluster.loader_workers": 1,
+                                                  "cluster.dashboard_address": "127.0.0.1:0"}),
+                  log=lines.append, hooks=[spy])
+    plain = train(_config(str(root), **fields), dask_client, log=lambda m: None)
+    assert spy.killed and len(split.history) == len(plain.history) > 2
+    assert len(spy.stages["train"]) == 2 and spy.loader not in spy.stages["train"], (lines, spy.resources, spy.stages)  # old, new
+    a, b = split.params, plain.params
+    assert all(a[k].tobytes() == b[k].tobytes() for k in a), lines
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_a_replay_without_training_workers(monkeypatch, device):
+    """CPU runs go on on the workers left (as they would have started); GPU runs stop."""
+    from types import SimpleNamespace
+
+    from pipeline import cluster, training
+    from pipeline.errors import ClusterError
+
+    def missing(client, name, timeout, wait=False):
+        assert wait  # an embedded cluster's nanny restarts a lost worker: wait for it
+        raise ClusterError(f"no worker advertises resource {name!r}")
+
+    monkeypatch.setattr(cluster, "require_workers", lambda client, n, timeout: None)
+    monkeypatch.setattr(cluster, "require_resource", missing)
+    run, lines = object.__new__(training._Run), []
+    name = "TRAIN" if device == "cpu" else "GPU"
+    run.client, run.config, run.log = None, Config(), lines.append
+    run.graph = SimpleNamespace(device=device, train_resources={name: 1})
+    run.anchor, run._resume_hint = SimpleNamespace(round=3), lambda: ""
+    if device == "gpu":
+        with pytest.raises(ClusterError, match="cannot replay from round 4: no worker advertises"):
+            run._await_workers()
+        return
+    run._await_workers()
+    assert run.graph.train_resources is None
+    assert lines == ["no worker advertises TRAIN any more: training on any worker"]
