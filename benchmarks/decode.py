@@ -11,17 +11,22 @@ under a temp dir, then measures, all in one run:
    loop (full decode, crop and resize of the full image, flip, to array) in one process, and our
    graph (``decode-`` tasks, vectorized ``augment-``) on one worker process and on two.
    Goal: ``decode_2w_over_1w`` >= 1.8.
-3. an epoch of small-cnn at the image size where loading dominates, one worker process with two
-   threads (training on one, decoding on the other, as seed 003's loader overlaps with compute):
-   training alone (decoded images cached), loading alone (the epoch's decode- and augment- tasks,
-   no training) and the full pipeline decoding every round. Goal: ``epoch_over_max`` =
-   epoch / max(train, loading) <= 1.1.
+3. an epoch of small-cnn at the image size where loading dominates, on one one-thread training
+   worker and one one-thread loader worker (``--loader-workers 1``: the two cores split as a GPU
+   box's are, training on its device and decoding on CPU cores beside it, as seed 003's loader
+   processes overlap with compute): training alone (decoded images cached on the loader),
+   loading alone (the epoch's decode- and augment- tasks on the loader, no training) and the
+   full pipeline decoding every round. Goal: ``epoch_over_max`` = epoch / max(train, loading)
+   <= 1.1; ``loading_over_train`` says which stage dominates. ``epoch-shared`` repeats it on
+   one worker process with two threads (both stages share both cores: bound by their sum) for
+   comparison.
 
     flock /work/cpu.lock .venv/bin/python benchmarks/decode.py        # ~4 min on 2 cores
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import tempfile
 import time
@@ -174,19 +179,20 @@ def second_epoch_seconds(history) -> float:
     return ends[1] - ends[0]
 
 
-def loading_alone(client, cfg) -> float:
-    """Seconds of one epoch's decode- and augment- tasks (every round's shard), no training."""
+def loading_alone(client, cfg, resources: dict | None) -> float:
+    """Seconds of one epoch's decode- and augment- tasks (every round's shard), no training;
+    they ask for ``resources`` as in a run (the loader workers' ``CPU``)."""
     from distributed import wait
 
     from pipeline import graph
     from pipeline.data import load_dataset
     from pipeline import strategies
     ds = load_dataset(cfg.data.source, cfg.data)
-    data = graph.persist_dataset(client, ds)
+    data = graph.persist_dataset(client, ds, resources=resources)
     assert data.stream is not None, "expected the uncached path"
     wait(data.test_images)
     g = graph.RoundGraph(client, data, cfg, n_classes=ds.n_classes, device="@numpy",
-                         train_resources=None, augment_resources=None)
+                         train_resources=None, augment_resources=resources)
     t = cfg.train
     one_epoch = cfg.replace(**{"train.epochs": 1.0})
     rounds, _, _ = strategies.get(t.strategy).plan(one_epoch, data.n_train)
@@ -202,7 +208,7 @@ def loading_alone(client, cfg) -> float:
 def decode_augment(folder: str, files: list, a) -> tuple:
     """(PIL loop images/s, {workers: our images/s}) of decode + augment."""
     from pipeline.config import DataConfig
-    cfg = DataConfig(image_size=a.image_size, decode_chunk=64, val_fraction=0.05)
+    cfg = DataConfig(image_size=a.image_size, decode_chunk=a.decode_chunk, val_fraction=0.05)
     loop = pil_loop(files[:600], a.image_size, a.seed)
     graph = {}
     for workers in (1, 2):
@@ -215,21 +221,36 @@ def decode_augment(folder: str, files: list, a) -> tuple:
     return loop, graph
 
 
-def epoch_seconds(folder: str, a) -> dict:
+@contextlib.contextmanager
+def epoch_cluster(loaders: bool):
+    """The epoch part's cluster on two cores: one one-thread training worker and one one-thread
+    loader (``--loader-workers 1``, the machine split as a GPU box's is: training on its device,
+    loading on CPU cores), or the former one worker process with two threads that share both."""
+    from pipeline.cluster import connect
+    from pipeline.config import ClusterConfig
+    split = {"loader_workers": 1} if loaders else {"threads_per_worker": 2}
+    with connect(ClusterConfig(workers=1, dashboard_address="127.0.0.1:0", **split),
+                 log=lambda m: None) as client:
+        yield client
+
+
+def epoch_seconds(folder: str, a, loaders: bool = True) -> dict:
     """Second-epoch seconds: training alone (cached), loading alone, the pipeline decoding
-    every round; one worker process with two threads."""
+    every round (see `epoch_cluster`)."""
     from pipeline import train
-    with local_client(1, 2) as client:
+    with epoch_cluster(loaders) as client:
         quiet = dict(client=client, log=lambda m: None)
         train(epoch_config(folder, a, "on").replace(**{"train.epochs": 0.2}), **quiet)  # warm-up
         cached = train(epoch_config(folder, a, "on"), **quiet)
-        load_s = loading_alone(client, epoch_config(folder, a, "off"))
+        load_s = loading_alone(client, epoch_config(folder, a, "off"), {"CPU": 1})
         streamed = train(epoch_config(folder, a, "off"), **quiet)
     out = {"train_alone": second_epoch_seconds(cached.history), "loading_alone": load_s,
            "pipeline": second_epoch_seconds(streamed.history)}
-    print(f"epoch of small-cnn at {a.image_size}px: train alone {out['train_alone']:.2f} s, "
-          f"loading alone {load_s:.2f} s, decoding every round {out['pipeline']:.2f} s; epoch / "
-          f"max = {out['pipeline'] / max(out['train_alone'], load_s):.3f} (goal <= 1.1)")
+    how = "1 trainer + 1 loader" if loaders else "1 worker x 2 threads"
+    print(f"epoch of small-cnn at {a.image_size}px, {how}: train alone {out['train_alone']:.2f} "
+          f"s, loading alone {load_s:.2f} s, decoding every round {out['pipeline']:.2f} s; epoch "
+          f"/ max = {out['pipeline'] / max(out['train_alone'], load_s):.3f}"
+          + (" (goal <= 1.1)" if loaders else ""))
     return out
 
 
@@ -244,15 +265,18 @@ def main(argv=None):
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--decode-chunk", type=int, default=64, help="images per decode- task (graph)")
     p.add_argument("--keep", default=None, help="write (or reuse) the folder here, not a temp dir")
     p.add_argument("--cpu-kernels", default="ours", choices=["ours", "chainer"],
                    help="the epoch part's convolution/pooling on CPU: ours or Chainer's")
-    p.add_argument("--parts", default="decoders,graph,epoch", help="which measurements to run")
+    p.add_argument("--parts", default="decoders,graph,epoch,epoch-shared",
+                   help="which measurements to run (epoch: 1 trainer + 1 loader; epoch-shared: "
+                        "1 worker x 2 threads, for comparison)")
     a = p.parse_args(argv)
     parts = set(a.parts.split(","))
-    rates, loop, graph, ratio, epoch = {}, float("nan"), {1: float("nan"), 2: float("nan")}, \
-        float("nan"), {"train_alone": float("nan"), "loading_alone": float("nan"),
-                       "pipeline": float("nan")}
+    nan = float("nan")
+    rates, loop, graph, ratio = {}, nan, {1: nan, 2: nan}, nan
+    epoch = shared = {"train_alone": nan, "loading_alone": nan, "pipeline": nan}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(a.keep or tmp) / "jpegs"
         if not root.exists():
@@ -270,17 +294,25 @@ def main(argv=None):
             loop, graph = decode_augment(folder, files, a)
             ratio = graph[2] / graph[1]
         if "epoch" in parts:
-            epoch = epoch_seconds(folder, a)
-    epoch_ratio = epoch["pipeline"] / max(epoch["train_alone"], epoch["loading_alone"])
+            epoch = epoch_seconds(folder, a, loaders=True)
+        if "epoch-shared" in parts:
+            shared = epoch_seconds(folder, a, loaders=False)
+
+    def over_max(e):
+        return e["pipeline"] / max(e["train_alone"], e["loading_alone"])
+
     emit({"bench": "decode", "decode_2w_over_1w": _r(ratio, 3),
-          "epoch_over_max": _r(epoch_ratio, 3),
+          "epoch_over_max": _r(over_max(epoch), 3),
+          "loading_over_train": _r(epoch["loading_alone"] / epoch["train_alone"], 3),
           "decoder_images_per_s": {k: _r(v, 1) for k, v in rates.items()},
           "pil_loop_images_per_s": _r(loop, 1),
           "graph_images_per_s": {f"{k}w": _r(v, 1) for k, v in graph.items()},
           "graph_1w_over_pil_loop": _r(graph[1] / loop, 3),
-          "epoch_seconds": {k: _r(v, 3) for k, v in epoch.items()}, "parts": sorted(parts),
-          "images": a.images, "image_size": a.image_size, "goals": {"decode_2w_over_1w": 1.8,
-                                                                     "epoch_over_max": 1.1}})
+          "epoch_seconds": {k: _r(v, 3) for k, v in epoch.items()},
+          "epoch_over_max_shared_2_threads": _r(over_max(shared), 3),
+          "epoch_seconds_shared_2_threads": {k: _r(v, 3) for k, v in shared.items()},
+          "parts": sorted(parts), "images": a.images, "image_size": a.image_size,
+          "goals": {"decode_2w_over_1w": 1.8, "epoch_over_max": 1.1}})
 
 
 if __name__ == "__main__":
