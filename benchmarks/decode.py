@@ -265,7 +265,8 @@ def main(argv=None):
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--decode-chunk", type=int, default=64, help="images per decode- task (graph)")
+    p.add_argument("--decode-chunk", type=int, default=128,
+                   help="images per decode- task in the graph part (default: data.decode_chunk's)")
     p.add_argument("--keep", default=None, help="write (or reuse) the folder here, not a temp dir")
     p.add_argument("--cpu-kernels", default="ours", choices=["ours", "chainer"],
                    help="the epoch part's convolution/pooling on CPU: ours or Chainer's")
