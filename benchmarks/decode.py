@@ -136,8 +136,10 @@ def pil_loop(files, size: int, seed: int) -> float:
     return len(files) / (time.perf_counter() - start)
 
 
-def graph_rate(client, folder: str, cfg, seed: int, repeat: int) -> float:
-    """Images/s of decode- + augment- over the training split on ``client``'s workers.
+def graph_rate(client, folder: str, cfg, seed: int, repeat: int,
+               resources: dict | None = None) -> float:
+    """Images/s of decode- + augment- over the training split on ``client``'s workers; the tasks
+    ask for ``resources`` as a run's do (``augment.resource``).
 
     Each repeat gets keys of its own (another pixel cap gives other decode- keys, another epoch
     other augment- keys), so nothing is served from the previous repeat's memory.
@@ -153,7 +155,7 @@ def graph_rate(client, folder: str, cfg, seed: int, repeat: int) -> float:
     chunk = dataset.train_images.chunks[0][0]
     start = time.perf_counter()
     out = client.persist(augment_array(dataset.train_images, augment.get_policy("resized-crop"),
-                                       seed, repeat, chunk))
+                                       seed, repeat, chunk), resources=resources)
     wait(out)
     seconds = time.perf_counter() - start
     del out
@@ -211,10 +213,16 @@ def decode_augment(folder: str, files: list, a) -> tuple:
     cfg = DataConfig(image_size=a.image_size, decode_chunk=a.decode_chunk, val_fraction=0.05)
     loop = pil_loop(files[:600], a.image_size, a.seed)
     graph = {}
+    # As a run places them: every worker of the embedded cluster advertises CPU (one per
+    # thread) and decode-/augment- ask for augment.resource (CPU). The scheduler does not queue
+    # resource-restricted tasks as root-ish ones; on plain workers its queue (worker-saturation
+    # 1.1) left a one-thread worker holding a second chunk while the other idled at the end
+    # (0.4 s of ~2.8; 0.03 s with resources, docs/benchmarks.md). --no-resources: plain workers.
+    res = None if a.no_resources else {"CPU": 1}
     for workers in (1, 2):
-        with local_client(workers, 1) as client:
-            graph_rate(client, folder, cfg, a.seed, 0)  # warm-up
-            graph[workers] = max(graph_rate(client, folder, cfg, a.seed, 1 + r)
+        with local_client(workers, 1, resources=res) as client:
+            graph_rate(client, folder, cfg, a.seed, 0, res)  # warm-up
+            graph[workers] = max(graph_rate(client, folder, cfg, a.seed, 1 + r, res)
                                  for r in range(a.repeats))
     print(f"decode+augment: PIL loop {loop:.0f}, ours 1 worker {graph[1]:.0f}, 2 workers "
           f"{graph[2]:.0f} images/s; 2w/1w = {graph[2] / graph[1]:.2f} (goal >= 1.8)")
@@ -265,6 +273,8 @@ def main(argv=None):
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-resources", action="store_true",
+                   help="graph part on plain workers, the tasks asking for no resources")
     p.add_argument("--decode-chunk", type=int, default=128,
                    help="images per decode- task in the graph part (default: data.decode_chunk's)")
     p.add_argument("--keep", default=None, help="write (or reuse) the folder here, not a temp dir")
