@@ -91,6 +91,7 @@ class RoundGraph:
         self.payload_bytes = payload_bytes  # bytes of one replica's parameters
         self._perms: dict[int, np.ndarray] = {}
         self._workers: list | None = None  # worker addresses by name, for pin_replicas
+        self._unsafe: bool | None = None  # some worker lacks the train resources: no pins
         self.averaged_bytes = payload_bytes  # bytes per replica an average adds (auto weighs)
         self._plan: averaging_algorithms.Plan | None = None
 
@@ -147,7 +148,10 @@ class RoundGraph:
         """``submit`` arguments that keep replica k where the averaging plan placed it, or with
         ``cluster.pin_replicas`` on worker k mod W (the W workers offering the train resources,
         sorted by name), as a rank stays on its GPU; a soft preference, so a lost worker's
-        replica moves on."""
+        replica moves on. Nothing is pinned where some worker lacks the train resources
+        (``_pinning_unsafe``)."""
+        if self._pinning_unsafe():
+            return {}
         placement = self.average_plan().placement
         if placement is not None:
             return dict(workers=[placement.replica_worker[replica]], allow_other_workers=True)
@@ -163,6 +167,22 @@ class RoundGraph:
             return {}
         return dict(workers=[self._workers[replica % len(self._workers)]],
                     allow_other_workers=True)
+
+    def _pinning_unsafe(self) -> bool:
+        """Whether a soft pin could send a resource-bound task to a worker without the resource.
+        For a task with loose worker restrictions distributed falls back to any worker,
+        resources notwithstanding: work stealing hands it to an idle thief when the pinned
+        worker is busy (``WorkStealing._get_thief``), and ``decide_worker`` does so once the
+        pinned worker is gone; the worker then fails on the missing resource (``KeyError:
+        'TRAIN'`` in its state machine, seen in CI with a loader). So where train- tasks ask for
+        resources that some worker lacks (loader workers; a GPU box's CPU workers) nothing is
+        pinned: the resources alone place the tasks."""
+        if self._unsafe is None:
+            need = self.train_resources or {}
+            info = self.client.scheduler_info(n_workers=-1)["workers"] if need else {}
+            self._unsafe = any(any((w.get("resources") or {}).get(r, 0) < n
+                                   for r, n in need.items()) for w in info.values())
+        return self._unsafe
 
     def key(self, stage: str, *coords):
         return keys.make(stage, self.token, *coords)

@@ -62,21 +62,34 @@ def test_loader_workers_load_trainers_train_and_the_bytes_stay(tmp_path, dask_cl
 
 
 class _Workers:
-    """A client stand-in that only answers ``scheduler_info``: two trainers, one loader."""
+    """A client stand-in that only answers ``scheduler_info``: two trainers and, unless
+    ``loader=False``, one loader."""
+
+    def __init__(self, loader: bool = True):
+        self.loader = loader
 
     def scheduler_info(self, n_workers=-1):
-        return {"workers": {
+        workers = {
             "tcp://127.0.0.1:1": {"name": "loader-0", "resources": {"CPU": 1}},
             "tcp://127.0.0.1:2": {"name": "cpu-0", "resources": {"TRAIN": 1}},
-            "tcp://127.0.0.1:3": {"name": "cpu-1", "resources": {"TRAIN": 1}}}}
+            "tcp://127.0.0.1:3": {"name": "cpu-1", "resources": {"TRAIN": 1}}}
+        if not self.loader:
+            del workers["tcp://127.0.0.1:1"]
+        return {"workers": workers}
 
 
-def test_pinned_replicas_go_to_the_training_workers_only():
+def test_pinned_replicas_go_to_the_training_workers_and_never_beside_a_loader():
     cfg = Config().replace(**{"cluster.pin_replicas": True, "train.replicas": 3})
-    g = graph.RoundGraph(_Workers(), None, cfg, n_classes=10, device="cpu",
-                         train_resources={"TRAIN": 1}, augment_resources={"CPU": 1})
-    assert [g._pinned(k)["workers"] for k in range(3)] == [
+
+    def pins(client):
+        g = graph.RoundGraph(client, None, cfg, n_classes=10, device="cpu",
+                             train_resources={"TRAIN": 1}, augment_resources={"CPU": 1})
+        return [g._pinned(k).get("workers") for k in range(3)]
+
+    assert pins(_Workers(loader=False)) == [
         ["tcp://127.0.0.1:2"], ["tcp://127.0.0.1:3"], ["tcp://127.0.0.1:2"]]
+    # A loader lacks TRAIN: a soft pin would let work stealing hand a train- task to it.
+    assert pins(_Workers()) == [None, None, None]
 
 
 def test_loader_workers_option_and_its_check():
