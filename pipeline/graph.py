@@ -178,10 +178,11 @@ class RoundGraph:
         resources that some worker lacks (loader workers; a GPU box's CPU workers) nothing is
         pinned: the resources alone place the tasks."""
         if self._unsafe is None:
-            need = self.train_resources or {}
-            info = self.client.scheduler_info(n_workers=-1)["workers"] if need else {}
-            self._unsafe = any(any((w.get("resources") or {}).get(r, 0) < n
-                                   for r, n in need.items()) for w in info.values())
+            def offering(resources):
+                hosts = averaging_algorithms.workers_by_host(self.client, resources)
+                return sum(len(workers) for workers in hosts.values())
+            need = self.train_resources
+            self._unsafe = bool(need) and offering(need) < offering(None)
         return self._unsafe
 
     def key(self, stage: str, *coords):
