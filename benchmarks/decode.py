@@ -8,8 +8,9 @@ under a temp dir, then measures, all in one run:
    simplejpeg when it is installed (libjpeg-turbo with the same scaling). Interleaved repeats,
    best of ``--repeats``.
 2. decode + augment (random-resized-crop + flip) images/s: the torchvision-style per-image PIL
-   loop (full decode, crop and resize of the full image, flip, to array) in one process, and our
-   graph (``decode-`` tasks, vectorized ``augment-``) on one worker process and on two.
+   loop (full decode, crop and resize of the full image, flip, to array) in one process, and an
+   epoch of what an uncached run loads (each round's ``decode-`` tasks and its vectorized
+   ``augment-`` task, as the driver submits them) on one worker process and on two.
    Goal: ``decode_2w_over_1w`` >= 1.8.
 3. an epoch of small-cnn at the image size where loading dominates, on one one-thread training
    worker and one one-thread loader worker (``--loader-workers 1``: the two cores split as a GPU
@@ -136,35 +137,6 @@ def pil_loop(files, size: int, seed: int) -> float:
     return len(files) / (time.perf_counter() - start)
 
 
-def graph_rate(client, folder: str, cfg, seed: int, repeat: int,
-               resources: dict | None = None) -> float:
-    """Images/s of decode- + augment- over the training split on ``client``'s workers; the tasks
-    ask for ``resources`` as a run's do (``augment.resource``).
-
-    Each repeat gets keys of its own (another pixel cap gives other decode- keys, another epoch
-    other augment- keys), so nothing is served from the previous repeat's memory.
-    """
-    import dataclasses
-
-    from distributed import wait
-
-    import augment
-    from pipeline.augment_graph import augment_array
-    from pipeline.data import load_dataset
-    dataset = load_dataset(folder, dataclasses.replace(cfg, max_pixels=cfg.max_pixels - repeat))
-    chunk = dataset.train_images.chunks[0][0]
-    start = time.perf_counter()
-    out = client.persist(augment_array(dataset.train_images, augment.get_policy("resized-crop"),
-                                       seed, repeat, chunk), resources=resources)
-    wait(out)
-    seconds = time.perf_counter() - start
-    del out
-    return dataset.train_images.shape[0] / seconds
-
-
-# ---- 3. an epoch where loading dominates -----------------------------------------------------
-
-
 def epoch_config(folder: str, a, cache: str):
     from pipeline import Config
     return Config().replace(**{
@@ -176,14 +148,10 @@ def epoch_config(folder: str, a, cache: str):
         "model.cpu_kernels": a.cpu_kernels})
 
 
-def second_epoch_seconds(history) -> float:
-    ends = {line["epoch"]: line["seconds"] for line in history}
-    return ends[1] - ends[0]
-
-
-def loading_alone(client, cfg, resources: dict | None) -> float:
-    """Seconds of one epoch's decode- and augment- tasks (every round's shard), no training;
-    they ask for ``resources`` as in a run (the loader workers' ``CPU``)."""
+def loading_alone(client, cfg, resources: dict | None, epochs: float = 1.0) -> float:
+    """Seconds of ``epochs`` of a run's decode- and augment- tasks (every round's shard, as
+    `RoundGraph.submit_augment` submits them; no training); they ask for ``resources`` as in a
+    run (the loader workers' ``CPU``). Every call builds a graph with keys of its own."""
     from distributed import wait
 
     from pipeline import graph
@@ -196,8 +164,8 @@ def loading_alone(client, cfg, resources: dict | None) -> float:
     g = graph.RoundGraph(client, data, cfg, n_classes=ds.n_classes, device="@numpy",
                          train_resources=None, augment_resources=resources)
     t = cfg.train
-    one_epoch = cfg.replace(**{"train.epochs": 1.0})
-    rounds, _, _ = strategies.get(t.strategy).plan(one_epoch, data.n_train)
+    rounds, _, _ = strategies.get(t.strategy).plan(cfg.replace(**{"train.epochs": epochs}),
+                                                   data.n_train)
     start = time.perf_counter()
     futures = [g.submit_augment(r, k, t.replicas, t.batch_size) for r in rounds
                for k in range(t.replicas)]
@@ -208,25 +176,39 @@ def loading_alone(client, cfg, resources: dict | None) -> float:
 
 
 def decode_augment(folder: str, files: list, a) -> tuple:
-    """(PIL loop images/s, {workers: our images/s}) of decode + augment."""
-    from pipeline.config import DataConfig
-    cfg = DataConfig(image_size=a.image_size, decode_chunk=a.decode_chunk, val_fraction=0.05)
+    """(PIL loop images/s, {workers: our images/s}) of decode + augment.
+
+    Ours is what an uncached run loads: every round's decode- and augment- tasks for an epoch
+    (`loading_alone`), on one one-thread worker process and on two. As a run places them, the
+    workers advertise CPU and the tasks ask for ``augment.resource`` (``--no-resources``: plain
+    workers). The clusters alternate, 1, 2, 1, 2, ..., each warmed up by a tenth of an epoch,
+    so a change in the machine's speed during the run hits both alike; best of ``--repeats``.
+    """
+    from pipeline.data import load_dataset
     loop = pil_loop(files[:600], a.image_size, a.seed)
-    graph = {}
-    # As a run places them: every worker of the embedded cluster advertises CPU (one per
-    # thread) and decode-/augment- ask for augment.resource (CPU). The scheduler does not queue
-    # resource-restricted tasks as root-ish ones; on plain workers its queue (worker-saturation
-    # 1.1) left a one-thread worker holding a second chunk while the other idled at the end
-    # (0.4 s of ~2.8; 0.03 s with resources, docs/benchmarks.md). --no-resources: plain workers.
     res = None if a.no_resources else {"CPU": 1}
-    for workers in (1, 2):
-        with local_client(workers, 1, resources=res) as client:
-            graph_rate(client, folder, cfg, a.seed, 0, res)  # warm-up
-            graph[workers] = max(graph_rate(client, folder, cfg, a.seed, 1 + r, res)
-                                 for r in range(a.repeats))
+    cfg = epoch_config(folder, a, "off").replace(**{
+        "data.decode_chunk": a.decode_chunk, "train.batch_size": a.batch_size})
+    n_train = int(load_dataset(folder, cfg.data).train_images.shape[0])
+    seconds = {1: [], 2: []}
+    for _ in range(a.repeats):
+        for workers in (1, 2):
+            with local_client(workers, 1, resources=res) as client:
+                loading_alone(client, cfg, res, epochs=0.1)  # warm-up: imports, first tasks
+                seconds[workers].append(loading_alone(client, cfg, res))
+    graph = {w: n_train / min(s) for w, s in seconds.items()}
     print(f"decode+augment: PIL loop {loop:.0f}, ours 1 worker {graph[1]:.0f}, 2 workers "
-          f"{graph[2]:.0f} images/s; 2w/1w = {graph[2] / graph[1]:.2f} (goal >= 1.8)")
-    return loop, graph
+          f"{graph[2]:.0f} images/s; 2w/1w = {graph[2] / graph[1]:.2f} (goal >= 1.8); seconds "
+          f"per epoch 1w {[round(x, 2) for x in seconds[1]]}, 2w {[round(x, 2) for x in seconds[2]]}")
+    return loop, graph, seconds
+
+
+# ---- 3. an epoch where loading dominates -----------------------------------------------------
+
+
+def second_epoch_seconds(history) -> float:
+    ends = {line["epoch"]: line["seconds"] for line in history}
+    return ends[1] - ends[0]
 
 
 @contextlib.contextmanager
@@ -276,7 +258,11 @@ def main(argv=None):
     p.add_argument("--no-resources", action="store_true",
                    help="graph part on plain workers, the tasks asking for no resources")
     p.add_argument("--decode-chunk", type=int, default=128,
-                   help="images per decode- task in the graph part (default: data.decode_chunk's)")
+                   help="the graph part's data.decode_chunk: most images per decode- task "
+                        "(default: the product's)")
+    p.add_argument("--batch-size", type=int, default=64,
+                   help="the graph part's images per round (each round's shard is decoded by "
+                        "its own decode- tasks)")
     p.add_argument("--keep", default=None, help="write (or reuse) the folder here, not a temp dir")
     p.add_argument("--cpu-kernels", default="ours", choices=["ours", "chainer"],
                    help="the epoch part's convolution/pooling on CPU: ours or Chainer's")
@@ -286,7 +272,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     parts = set(a.parts.split(","))
     nan = float("nan")
-    rates, loop, graph, ratio = {}, nan, {1: nan, 2: nan}, nan
+    rates, loop, graph, ratio, graph_s = {}, nan, {1: nan, 2: nan}, nan, {1: [], 2: []}
     epoch = shared = {"train_alone": nan, "loading_alone": nan, "pipeline": nan}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(a.keep or tmp) / "jpegs"
@@ -302,7 +288,7 @@ def main(argv=None):
             for name, rate in rates.items():
                 print(f"decoder {name:14} {rate:8.0f} images/s (one process)")
         if "graph" in parts:
-            loop, graph = decode_augment(folder, files, a)
+            loop, graph, graph_s = decode_augment(folder, files, a)
             ratio = graph[2] / graph[1]
         if "epoch" in parts:
             epoch = epoch_seconds(folder, a, loaders=True)
@@ -319,6 +305,8 @@ def main(argv=None):
           "pil_loop_images_per_s": _r(loop, 1),
           "graph_images_per_s": {f"{k}w": _r(v, 1) for k, v in graph.items()},
           "graph_1w_over_pil_loop": _r(graph[1] / loop, 3),
+          "graph_epoch_seconds": {f"{k}w": [_r(x, 3) for x in v] for k, v in graph_s.items()},
+          "graph_batch_size": a.batch_size, "decode_chunk": a.decode_chunk,
           "epoch_seconds": {k: _r(v, 3) for k, v in epoch.items()},
           "epoch_over_max_shared_2_threads": _r(over_max(shared), 3),
           "epoch_seconds_shared_2_threads": {k: _r(v, 3) for k, v in shared.items()},
