@@ -184,7 +184,11 @@ def add_subcommands(sub) -> None:
                    help="ipm: outer lr x the replicas' AdaScale gain (1..K)")
     p.add_argument("--pin-replicas", dest="cluster.pin_replicas", action="store_const",
                    const=True, default=None,
-                   help="replica k's train tasks prefer worker k mod W (a rank on its device)")
+                   help="replica k's train tasks prefer worker k mod W, as a rank stays on its "
+                   "device (the default)")
+    p.add_argument("--no-pin-replicas", dest="cluster.pin_replicas", action="store_const",
+                   const=False, default=None,
+                   help="let the scheduler place the replicas' train tasks")
     p.add_argument("--tta", dest="train.tta", action="store_const", const=True, default=None,
                    help="evaluate with test-time augmentation (flips and shifted crops)")
     p.add_argument("--download", dest="data.download", action="store_const", const=True,

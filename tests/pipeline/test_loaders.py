@@ -101,6 +101,25 @@ def test_loader_workers_option_and_its_check():
         Config().replace(**{"cluster.loader_workers": -1}).validate()
 
 
+def test_replicas_are_pinned_by_default_and_no_pin_replicas_lets_dask_place_them():
+    # Unpinned, the scheduler stacked both replicas of K=2 on one of two workers in up to 27 of
+    # 32 rounds (benchmarks/placement.py); pinned, replica k stays on worker k mod W.
+    assert Config().cluster.pin_replicas
+    parse = cli.build_parser().parse_args
+    assert getattr(parse(["train"]), "cluster.pin_replicas") is None  # the config's default
+    assert getattr(parse(["train", "--no-pin-replicas"]), "cluster.pin_replicas") is False
+    assert getattr(parse(["train", "--pin-replicas"]), "cluster.pin_replicas") is True
+
+    def pins(cfg):
+        g = graph.RoundGraph(_Workers(loader=False), None, cfg, n_classes=10, device="cpu",
+                             train_resources=None, augment_resources=None)
+        return [g._pinned(k).get("workers") for k in range(2)]
+
+    cfg = Config().replace(**{"train.replicas": 2})
+    assert pins(cfg) == [["tcp://127.0.0.1:2"], ["tcp://127.0.0.1:3"]]
+    assert pins(cfg.replace(**{"cluster.pin_replicas": False})) == [None, None]
+
+
 class _KillTrainer(_Spy):
     """Kills the training worker's process (SIGKILL) once round 0 is reported; its nanny starts
     a new one, which the replay waits for."""
