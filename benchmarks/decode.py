@@ -178,7 +178,8 @@ def loading_alone(client, cfg, resources: dict | None, epochs: float = 1.0) -> t
 
 
 def decode_augment(folder: str, files: list, a) -> tuple:
-    """(PIL loop images/s, {workers: our images/s}) of decode + augment.
+    """(PIL loop images/s, {workers: our images/s}, {workers: seconds of each repeat}) of
+    decode + augment.
 
     Ours is what an uncached run loads: every round's decode- and augment- tasks for
     ``--graph-epochs`` epochs (`loading_alone`), on one one-thread worker process and on two. As
@@ -202,9 +203,10 @@ def decode_augment(folder: str, files: list, a) -> tuple:
                 took, images = loading_alone(client, cfg, res, a.graph_epochs)
                 seconds[workers].append(took)
     graph = {w: images / min(s) for w, s in seconds.items()}
+    took = {w: [round(x, 2) for x in s] for w, s in seconds.items()}
     print(f"decode+augment: PIL loop {loop:.0f}, ours 1 worker {graph[1]:.0f}, 2 workers "
           f"{graph[2]:.0f} images/s; 2w/1w = {graph[2] / graph[1]:.2f} (goal >= 1.8); seconds "
-          f"for {a.graph_epochs:g} epochs 1w {[round(x, 2) for x in seconds[1]]}, 2w {[round(x, 2) for x in seconds[2]]}")
+          f"for {a.graph_epochs:g} epochs 1w {took[1]}, 2w {took[2]}")
     return loop, graph, seconds
 
 
