@@ -148,17 +148,18 @@ def epoch_config(folder: str, a, cache: str):
         "model.cpu_kernels": a.cpu_kernels})
 
 
-def loading_alone(client, cfg, resources: dict | None, epochs: float = 1.0) -> tuple:
+def loading_alone(client, cfg, resources: dict | None, epochs: float = 1.0,
+                  dataset=None) -> tuple:
     """(seconds, images) of ``epochs`` of a run's decode- and augment- tasks (every round's
     shard, as `RoundGraph.submit_augment` submits them; no training); they ask for
     ``resources`` as in a run (the loader workers' ``CPU``). Every call builds a graph with keys
-    of its own."""
+    of its own. ``dataset``: ``cfg``'s, already listed and scanned (default: load it)."""
     from distributed import wait
 
     from pipeline import graph, strategies
     from pipeline.data import load_dataset
     from pipeline.schedule import shard_positions
-    ds = load_dataset(cfg.data.source, cfg.data)
+    ds = dataset if dataset is not None else load_dataset(cfg.data.source, cfg.data)
     data = graph.persist_dataset(client, ds, resources=resources)
     assert data.stream is not None, "expected the uncached path"
     wait(data.test_images)
@@ -191,16 +192,18 @@ def decode_augment(folder: str, files: list, a) -> tuple:
     epoch, so a change in the machine's speed during the run hits both alike; best of
     ``--repeats``.
     """
+    from pipeline.data import load_dataset
     loop = pil_loop(files[:600], a.image_size, a.seed)
     res = None if a.no_resources else {"CPU": 1}
     cfg = epoch_config(folder, a, "off").replace(**{
         "data.decode_chunk": a.decode_chunk, "train.batch_size": a.batch_size})
+    dataset = load_dataset(folder, cfg.data)  # listed and scanned once, for every cluster
     seconds, images = {1: [], 2: []}, 0
     for _ in range(a.repeats):
         for workers in (1, 2):
             with local_client(workers, 1, resources=res) as client:
-                loading_alone(client, cfg, res, epochs=0.1)  # warm-up: imports, first tasks
-                took, images = loading_alone(client, cfg, res, a.graph_epochs)
+                loading_alone(client, cfg, res, 0.1, dataset)  # warm-up: imports, first tasks
+                took, images = loading_alone(client, cfg, res, a.graph_epochs, dataset)
                 seconds[workers].append(took)
     graph = {w: images / min(s) for w, s in seconds.items()}
     took = {w: [round(x, 2) for x in s] for w, s in seconds.items()}

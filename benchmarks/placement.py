@@ -21,7 +21,7 @@ from _common import emit  # noqa: I001
 def one_run(cfg, workers: int, pin: bool) -> dict:
     from distributed import get_task_stream
 
-    from pipeline import train
+    from pipeline import keys, train
     from pipeline.cluster import connect
     from pipeline.config import ClusterConfig
     cfg = cfg.replace(**{"cluster.pin_replicas": pin})
@@ -36,7 +36,7 @@ def one_run(cfg, workers: int, pin: bool) -> dict:
     busy, where = collections.Counter(), collections.defaultdict(set)
     for record in stream.data:
         key = record["key"]
-        if isinstance(key, tuple) and str(key[0]).startswith("train-") and len(key) == 3:
+        if keys.stage_of(key) == "train" and len(key) == 3:  # not its picks (..., name)
             busy[record["worker"]] += sum(s["stop"] - s["start"] for s in record["startstops"]
                                           if s["action"] == "compute")
             where[key[1]].add(record["worker"])
