@@ -11,6 +11,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
+import dask
 import distributed
 from dask.system import CPU_COUNT
 from distributed.security import Security
@@ -165,11 +166,13 @@ def _new_embedded(cfg: ClusterConfig, gpus: list[str], roles: Roles) -> distribu
     if not gpus and not loaders:
         return distributed.LocalCluster(
             n_workers=n_cpu, threads_per_worker=threads, processes=True, host="127.0.0.1",
-            dashboard_address=cfg.dashboard_address, resources={roles.load: threads})
+            dashboard_address=cfg.dashboard_address, resources={roles.load: threads},
+            preload=_worker_preloads())
     # Unlike workers: LocalCluster gives all workers the same options, SpecCluster one spec each.
     # Beside loaders the CPU workers train, unless GPU workers do (then they load as well).
     cpu_role = roles.train if loaders and not gpus else roles.load
-    common = {"host": "127.0.0.1", "silence_logs": logging.WARN, "dashboard": False}
+    common = {"host": "127.0.0.1", "silence_logs": logging.WARN, "dashboard": False,
+              "preload": _worker_preloads()}
     specs = {f"cpu-{i}": {"cls": distributed.Nanny, "options": {
         **common, "nthreads": threads, "resources": {cpu_role: threads}}} for i in range(n_cpu)}
     specs.update({f"loader-{i}": {"cls": distributed.Nanny, "options": {
@@ -184,6 +187,12 @@ def _new_embedded(cfg: ClusterConfig, gpus: list[str], roles: Roles) -> distribu
         "host": "127.0.0.1", "port": 0, "dashboard": True,
         "dashboard_address": cfg.dashboard_address}}
     return distributed.SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.WARN)
+
+
+def _worker_preloads() -> list[str]:
+    """The user's configured worker preloads, then ours (`pipeline.worker_setup`)."""
+    configured = dask.config.get("distributed.worker.preload") or []
+    return [*configured, "pipeline.worker_setup"]
 
 
 @contextlib.contextmanager

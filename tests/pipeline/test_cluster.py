@@ -116,6 +116,7 @@ def test_local_cluster_sized_logged_and_closed_cleanly(capfd):
     with cluster.connect(ClusterConfig(workers=2, threads_per_worker=1), log=lines.append) as client:
         info = cluster.describe(client)
         threads = client.gather(client.map(lambda i: cluster.worker_threads(), range(4), pure=False))
+        quiet = client.run(_quiet_on_close)
         start = time.monotonic()
         with pytest.raises(ClusterError, match=r"'GPU'.*workers advertise: tcp://127\.0\.0\.1:\d+ CPU=1"):
             cluster.require_resource(client, "GPU", timeout=30)
@@ -124,11 +125,20 @@ def test_local_cluster_sized_logged_and_closed_cleanly(capfd):
     assert (info["workers"], info["threads"], info["resources"]) == (2, 2, {"CPU": 2})
     assert info["dashboard"].startswith("http://127.0.0.1:")
     assert threads == [1, 1, 1, 1]
+    assert list(quiet.values()) == [True, True]  # the preload ran in each worker process
     assert len(lines) == 1 and info["dashboard"] in lines[0] and "2 workers" in lines[0]
     leftover = _children() - before
     assert not leftover, f"processes left behind: {leftover}"
     err = capfd.readouterr().err
     assert "Traceback" not in err and "Error" not in err, err
+
+
+def _quiet_on_close(dask_worker) -> bool:
+    import logging
+    from pipeline.worker_setup import ClosingHeartbeatFilter
+    log = logging.getLogger("distributed.worker")
+    return any(isinstance(f, ClosingHeartbeatFilter) and dask_worker in f._workers
+               for f in log.filters)
 
 
 def test_default_workers_fill_the_cores():
@@ -167,6 +177,7 @@ def test_embedded_gpu_workers_advertise_gpu_and_see_one_device():
         info = cluster.describe(client)
         seen = client.submit(_visible_devices, resources={"GPU": 1}, pure=False).result(timeout=10)
         cpu_seen = client.submit(_visible_devices, resources={"CPU": 1}, pure=False).result(timeout=10)
+        quiet = client.run(_quiet_on_close)
         cluster.require_resource(client, "GPU", timeout=0)
         with pytest.raises(ClusterError, match=r"the local cluster has no worker with resource "
                                                r"'TPU' \(its workers advertise: ") as err:
@@ -175,6 +186,7 @@ def test_embedded_gpu_workers_advertise_gpu_and_see_one_device():
     assert (info["workers"], info["threads"], info["resources"]) == (2, 2, {"CPU": 1, "GPU": 1})
     assert info["dashboard"].startswith("http://127.0.0.1:")
     assert seen == "3" and cpu_seen != "3"
+    assert list(quiet.values()) == [True, True]
 
 
 # --- external scheduler: real `dask scheduler` + `dask worker` processes ----------------------

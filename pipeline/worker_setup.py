@@ -1,0 +1,63 @@
+"""What the embedded cluster's worker processes run as they start (a Dask preload module).
+
+One thing so far: a closing worker's heartbeat failure is not reported. `Worker.close` closes its
+connection pool while a heartbeat to the scheduler may still be waiting for the reply; that read
+then fails with "Stream is closed" and distributed logs it at ERROR with a traceback
+(dask/distributed#5371; NVIDIA-NeMo/Curator#9 "Fix noisy Dask shutdown"). On every Ctrl-C or end
+of a run that would print a traceback under the driver's last line. A heartbeat failure of a
+running worker is still reported.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+
+HEARTBEAT_FAILED = "Failed to communicate with scheduler during heartbeat"
+_CLOSING = frozenset({"closing", "closing_gracefully", "closed"})
+
+
+class ClosingHeartbeatFilter(logging.Filter):
+    """Drops the heartbeat-failure record while a worker of this process is closing.
+
+    A worker process holds one worker; in one process with several (a thread-based cluster) the
+    record cannot tell which worker logged it, so any closing one drops it.
+
+    >>> class W: status = "running"
+    >>> w = W(); f = ClosingHeartbeatFilter(); f.watch(w)
+    >>> record = logging.LogRecord("distributed.worker", logging.ERROR, __file__, 0,
+    ...                            HEARTBEAT_FAILED + ".", None, None)
+    >>> f.filter(record)
+    True
+    >>> w.status = "closing"
+    >>> f.filter(record)
+    False
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._workers: weakref.WeakSet = weakref.WeakSet()
+
+    def watch(self, worker) -> None:
+        self._workers.add(worker)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(HEARTBEAT_FAILED):
+            return True
+        return not any(_status_name(w) in _CLOSING for w in list(self._workers))
+
+
+def _status_name(worker) -> str:
+    status = getattr(worker, "status", "")
+    return getattr(status, "name", status)
+
+
+def dask_setup(worker) -> None:
+    """Dask calls this in each worker process that names this module in its `preload`."""
+    log = logging.getLogger("distributed.worker")
+    found = [f for f in log.filters if isinstance(f, ClosingHeartbeatFilter)]
+    if found:
+        found[0].watch(worker)
+        return
+    quiet = ClosingHeartbeatFilter()
+    quiet.watch(worker)
+    log.addFilter(quiet)
