@@ -267,6 +267,13 @@ class RoundGraph:
         where = self._pinned(replica).get("workers") if replica is not None else None
         return self.client.scatter([value], hash=False, workers=where)[0]
 
+    def scatter_many(self, values: list, replica: int | None = None) -> list:
+        """``scatter`` of several values in one round trip; a ``None`` stays ``None``."""
+        where = self._pinned(replica).get("workers") if replica is not None else None
+        present = [v for v in values if v is not None]
+        futures = iter(self.client.scatter(present, hash=False, workers=where) if present else ())
+        return [next(futures) if v is not None else None for v in values]
+
     def scatter_shared(self, value, round_index: int, what: str = "scatter") -> list:
         """A value every replica starts round ``round_index`` from (the shared parameters):
         put on replica 0's worker, then sent on by the averaging algorithm's broadcast (one copy

@@ -426,8 +426,7 @@ class _Run:
                 _check_finite(state, rnd)
                 if self._checkpoints(rnd):
                     self.out.save_checkpoint(state, strategy.final_params(state))
-                if strategy.rescatter:
-                    attempt.live = strategy.scatter(state)  # cut lineage: a fresh root
+                attempt.live = strategy.reroot(state, attempt.live)  # cut lineage
                 self.anchor = attempt.anchor = state
         return state
 

@@ -136,7 +136,6 @@ class AsyncLive(NamedTuple):
 class Async(Strategy):
     name = "async"
     mix = "every"
-    rescatter = False  # the apply chain goes on through checkpoints; recovery uses the anchor
     stages = ("load", "augment", "train", "apply", "evaluate")
     files = (UPDATES,)
 
@@ -197,7 +196,7 @@ class Async(Strategy):
         self.server = g.scatter(state.params[0])
         self.server_opt = g.scatter(state.opts[0]) if state.opts[0] is not None else None
         self.inflight: dict[int, tuple] = {}
-        self.replica_opt: dict[int, object] = {}
+        self.stale_roots: set[int] = set()  # in flight at the last reroot: see ``reroot``
         if state.round < 0:
             self.applied, self.next_slot = 0, 0
             for k in range(self.K):
@@ -215,6 +214,28 @@ class Async(Strategy):
                             g.scatter(opt) if opt is not None else None,
                             pulled=int(sched["pulled"][k]), slot=slot)
         return self._snapshot()
+
+    def reroot(self, state: HostState, live: AsyncLive) -> AsyncLive:
+        """Go on from fresh roots without redoing in-flight work: the server (and its optimizer
+        state) and each in-flight replica's pull become the gathered ``state`` scattered back.
+        A replica in flight still computes from the old lineage, so its outputs are gathered and
+        scattered when its update is applied (``_apply``). After that no task hangs off the
+        rounds before the anchor, and the workers forget them (an unbroken apply- chain kept
+        every update's records on its worker)."""
+        ks = sorted(self.inflight)
+        roots = self.graph.scatter_many([state.params[0], state.opts[0],
+                                         *(state.params[1 + k] for k in ks),
+                                         *(state.opts[1 + k] for k in ks)])  # one round trip
+        self.server, self.server_opt = roots[:2]
+        for k, pulled, opt in zip(ks, roots[2:2 + len(ks)], roots[2 + len(ks):]):
+            flight, _, _, out = self.inflight[k]
+            self.inflight[k] = (flight, pulled, opt, out)
+        self.stale_roots = set(ks)
+        return self._snapshot()
+
+    def _fresh(self, k: int, params, opt) -> list:
+        """Replica k's train outputs as roots with no lineage (gathered, scattered back)."""
+        return self.graph.scatter_many(self.graph.gather([params, opt]), replica=k)
 
     def _snapshot(self) -> AsyncLive:
         inflight = {k: (f[0], f[1], f[2]) for k, f in self.inflight.items()}
@@ -267,6 +288,9 @@ class Async(Strategy):
 
     def _apply(self, k: int) -> None:
         flight, pulled_params, _, (params, opt, metrics, _) = self.inflight.pop(k)
+        if k in self.stale_roots:
+            self.stale_roots.discard(k)
+            params, opt = self._fresh(k, params, opt)
         n = self.applied
         r, i = divmod(n, self.K)
         staleness = n - flight.pulled

@@ -72,7 +72,6 @@ class Strategy:
 
     name = ""
     mix = "every"  # which rounds end in an average: every | last | never (schedule.plan_rounds)
-    rescatter = True  # after a checkpoint, restart from the gathered state as a fresh root
     stages = ("load", "augment", "train", "average", "evaluate")  # stage_seconds it reports
     files = ()  # its own files in the output directory (removed by --overwrite)
 
@@ -154,6 +153,12 @@ class Strategy:
                 for k, o in enumerate(state.opts)]
         outer = g.scatter(state.outer) if state.outer is not None else None
         return Live(params, opts, outer)
+
+    def reroot(self, state: HostState, live) -> Live:
+        """At an anchor (``state`` was just gathered from ``live``): the live state to go on
+        from, with no lineage before the anchor, so the workers forget the rounds before it
+        (docs/reliability.md). Here: ``state`` scattered back as a fresh root."""
+        return self.scatter(state)
 
     def gather(self, round_index: int, live: Live) -> HostState:
         params, opts, outer = self.graph.gather([live.params, live.opts, live.outer])

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -356,10 +357,22 @@ def test_damaged_latest_checkpoint_resumes_from_the_one_before(tmp_path, dask_cl
     assert not [p.name for p in out.rglob(".*") if p.name != rundir.MARKER], "temporaries left"
 
 
-def test_anchors_between_checkpoints_change_no_bit(dask_client, reference):
+@pytest.mark.parametrize("changes", [{}, {"train.strategy": "async", "average.mix_every": "2",
+                                          "asynchronous.order": "fixed"}], ids=["ipm", "async"])
+def test_anchors_between_checkpoints_change_no_bit(dask_client, reference, changes):
     """An anchor every 3 rounds (no --out: gathered, not written; the run goes on from it as a
-    fresh root) gives the uninterrupted run's weights."""
-    _equal(train(_config(**{"anchor_every": 3}), client=dask_client).params, reference)
+    fresh root) gives the weights of the run without anchors. Async goes on without redoing
+    its in-flight updates: their outputs are re-rooted as they are applied."""
+    import distributed
+    expected = reference if not changes else train(_config(**changes), client=dask_client).params
+    config = _config(**changes, anchor_every=3)
+    with distributed.get_task_stream(dask_client) as stream:
+        result = train(config, client=dask_client)
+    _equal(result.params, expected)
+    # Each replica's update of each round ran once: a train- task and its three picks.
+    ran = Counter(str(t["key"]) for t in stream.data if "train-" in str(t["key"]))
+    assert len(ran) == 4 * len(result.history) * config.train.replicas, ran
+    assert set(ran.values()) == {1}, ran
 
 
 def test_resume_reads_fields_added_since_a_checkpoint_at_their_defaults():
@@ -438,18 +451,20 @@ ANCHOR = 25  # rounds between anchors (fresh roots) in the long run; the default
 
 @pytest.mark.slow
 @pytest.mark.cluster
-def test_long_run_releases_every_key_and_byte(tmp_path):
-    """304 rounds of ipm K=2 with no checkpoint: the scheduler's tasks, each worker's task
-    records and its RSS stay flat, and everything goes back to the baseline at the end.
+@pytest.mark.parametrize("strategy", ["ipm", "async"])
+def test_long_run_releases_every_key_and_byte(tmp_path, strategy):
+    """304 rounds of ipm K=2 (or 608 async updates) with no checkpoint: the scheduler's tasks,
+    each worker's task records and its RSS stay flat, and everything goes back to the baseline
+    at the end.
 
     The leak this guards against: a worker keeps a released task's record while a task computed
     from it on that worker is alive, so an unbroken chain of rounds on one worker kept every
     round's records (~9 a round, ~48 KiB a round of RSS, 70 with the profiler on) until the end.
-    Anchors (``anchor_every``) cut the chain."""
+    Anchors (``anchor_every``) cut the chain; async's apply- chain too (``Async.reroot``)."""
     import distributed
     # K=2 x batch 8 on 256 images: 16 rounds of H=1 per epoch; 19 epochs = 304 rounds.
     cfg = _config(**{"train.replicas": 2, "average.mix_every": "1", "train.epochs": 19,
-                     "checkpoint_every": 0, "anchor_every": ANCHOR})
+                     "checkpoint_every": 0, "anchor_every": ANCHOR, "train.strategy": strategy})
     samples: dict[int, int] = {}
     memory: dict[int, dict] = {}
     with subprocess_cluster(2, resources={"CPU": 1}, env=_QUIET_WORKERS) as cluster, \
