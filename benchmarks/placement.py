@@ -3,9 +3,12 @@
 `ipm` with K replicas on an embedded cluster of W one-thread worker processes (default K = W = 2,
 small-cnn on the synthetic set, momentum SGD), the same run twice per repeat, alternating:
 ``cluster.pin_replicas`` on (replica k's train- tasks prefer worker k mod W, as a rank stays on
-its GPU) and off (Dask places them by where their inputs are). From the task stream: wall time of
-the run, each worker's train- compute time, and in how many rounds the K replicas ran on K
-different workers. Both settings must give the same bytes (the script fails otherwise).
+its GPU) and off (Dask places them by where their inputs are). ``--loader-workers N`` adds N
+one-thread workers that only augment: the training workers then advertise ``RANK-i`` and a
+replica is held to its rank by that resource (a soft pin could hand a train- task to a loader).
+From the task stream: wall time of the run, each worker's train- compute time, and in how many
+rounds the K replicas ran on K different workers. Both settings must give the same bytes (the
+script fails otherwise).
 
     flock /work/cpu.lock .venv/bin/python benchmarks/placement.py        # ~2 min on 2 cores
 """
@@ -18,7 +21,7 @@ import time
 from _common import emit  # noqa: I001
 
 
-def one_run(cfg, workers: int, pin: bool) -> dict:
+def one_run(cfg, workers: int, pin: bool, loaders: int = 0) -> dict:
     from distributed import get_task_stream
 
     from pipeline import keys, train
@@ -26,7 +29,7 @@ def one_run(cfg, workers: int, pin: bool) -> dict:
     from pipeline.config import ClusterConfig
     cfg = cfg.replace(**{"cluster.pin_replicas": pin})
     quiet = {"log": lambda m: None}
-    with connect(ClusterConfig(workers=workers, threads_per_worker=1,
+    with connect(ClusterConfig(workers=workers, threads_per_worker=1, loader_workers=loaders,
                                dashboard_address="127.0.0.1:0"), **quiet) as client:
         train(cfg.replace(**{"train.epochs": 0.1}), client=client, **quiet)  # warm-up
         with get_task_stream(client) as stream:
@@ -50,6 +53,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--loader-workers", type=int, default=0,
+                   help="more one-thread workers that only decode and augment (then the "
+                        "training workers are held to their replicas by RANK-i resources)")
     p.add_argument("--epochs", type=float, default=4.0)
     p.add_argument("--mix-every", default="10", help="steps per round (H)")
     p.add_argument("--batch-size", type=int, default=32, help="per replica")
@@ -65,7 +71,7 @@ def main(argv=None):
     runs = {True: [], False: []}
     for _ in range(a.repeats):
         for pin in (True, False):
-            runs[pin].append(one_run(cfg, a.workers, pin))
+            runs[pin].append(one_run(cfg, a.workers, pin, a.loader_workers))
     first = runs[True][0]["params"]
     same = all(r["params"][k].tobytes() == first[k].tobytes()
                for rs in runs.values() for r in rs for k in first)
@@ -87,6 +93,7 @@ def main(argv=None):
           "spread_rounds": {("pinned" if pin else "unpinned"): [x["spread_rounds"] for x in rs]
                             for pin, rs in runs.items()},
           "rounds": runs[True][0]["rounds"], "same_bytes": same, "workers": a.workers,
+          "loader_workers": a.loader_workers,
           "replicas": a.replicas, "mix_every": a.mix_every, "epochs": a.epochs})
 
 

@@ -170,23 +170,58 @@ def _new_embedded(cfg: ClusterConfig, gpus: list[str], roles: Roles) -> distribu
             preload=_worker_preloads())
     # Unlike workers: LocalCluster gives all workers the same options, SpecCluster one spec each.
     # Beside loaders the CPU workers train, unless GPU workers do (then they load as well).
-    cpu_role = roles.train if loaders and not gpus else roles.load
+    # The training workers are ranks (`rank_resource`): replica k's train- tasks can be held to
+    # one of them by resource, which a worker without the train resource cannot take.
+    cpu_trains = bool(loaders and not gpus)
+    cpu_role = roles.train if cpu_trains else roles.load
     common = {"host": "127.0.0.1", "silence_logs": logging.WARN, "dashboard": False,
               "preload": _worker_preloads()}
     specs = {f"cpu-{i}": {"cls": distributed.Nanny, "options": {
-        **common, "nthreads": threads, "resources": {cpu_role: threads}}} for i in range(n_cpu)}
+        **common, "nthreads": threads, "resources": {
+            cpu_role: threads, **({rank_resource(i): threads} if cpu_trains else {})}}}
+        for i in range(n_cpu)}
     specs.update({f"loader-{i}": {"cls": distributed.Nanny, "options": {
         **common, "nthreads": 1, "resources": {roles.load: 1}}} for i in range(loaders)})
     per_device, gpu_threads = cfg.gpu_workers_per_device, cfg.gpu_threads
+    gpu_workers = [(d, j) for d in gpus for j in range(per_device)]
     specs.update({f"gpu-{d}" + (f"-{j}" if per_device > 1 else ""): {
         "cls": distributed.Nanny, "options": {
-            **common, "nthreads": gpu_threads, "resources": {"GPU": gpu_threads},
+            **common, "nthreads": gpu_threads,
+            "resources": {"GPU": gpu_threads, rank_resource(rank): gpu_threads},
             "env": {"CUDA_VISIBLE_DEVICES": d}}}
-        for d in gpus for j in range(per_device)})
+        for rank, (d, j) in enumerate(gpu_workers)})
     scheduler = {"cls": distributed.Scheduler, "options": {
         "host": "127.0.0.1", "port": 0, "dashboard": True,
         "dashboard_address": cfg.dashboard_address}}
     return distributed.SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.WARN)
+
+
+RANK = "RANK-"  # prefix of the resource that names a training worker's rank: RANK-0, RANK-1, ...
+
+
+def rank_resource(rank: int) -> str:
+    """The resource a training worker of rank `rank` advertises (as much as its train resource):
+    `dask worker ADDR --resources "GPU=1,RANK-0=1"` on an external cluster.
+
+    >>> rank_resource(3)
+    'RANK-3'
+    """
+    return f"{RANK}{rank}"
+
+
+def worker_ranks(resources: dict[str, dict[str, float]]) -> dict[int, str]:
+    """{rank: worker address} of the workers that advertise a `RANK-i` resource.
+
+    >>> worker_ranks({"tcp://a:1": {"GPU": 1, "RANK-1": 1}, "tcp://b:2": {"CPU": 2},
+    ...               "tcp://c:3": {"GPU": 1, "RANK-0": 1}})
+    {0: 'tcp://c:3', 1: 'tcp://a:1'}
+    """
+    ranks = {}
+    for addr, res in resources.items():
+        for name, amount in res.items():
+            if name.startswith(RANK) and name[len(RANK):].isdigit() and amount > 0:
+                ranks[int(name[len(RANK):])] = addr
+    return dict(sorted(ranks.items()))
 
 
 def _worker_preloads() -> list[str]:
@@ -320,19 +355,22 @@ def _resource_summary(resources: dict[str, dict[str, float]]) -> str:
 def describe(client: distributed.Client) -> dict:
     """Scheduler, worker count, total threads, total resources and dashboard link, for logs.
 
-    Returns {"scheduler": str, "workers": int, "threads": int, "resources": {name: total},
+    Returns {"scheduler": str, "workers": int, "threads": int, "resources": {name: total}
+    (less the `RANK-i` resources), "ranks": int,
     "per_worker": {addr: {"nthreads": int, "resources": {...}}}, "dashboard": str | None}.
     """
     workers = client.scheduler_info(n_workers=-1)["workers"]
     totals: dict[str, float] = {}
     for info in workers.values():
         for name, amount in (info.get("resources") or {}).items():
-            totals[name] = totals.get(name, 0) + amount
+            if not name.startswith(RANK):  # one per training worker: `ranks` counts them
+                totals[name] = totals.get(name, 0) + amount
     return {
         "scheduler": client.scheduler.address,
         "workers": len(workers),
         "threads": sum(info["nthreads"] for info in workers.values()),
         "resources": dict(sorted(totals.items())),
+        "ranks": len(worker_ranks({a: dict(i.get("resources") or {}) for a, i in workers.items()})),
         "per_worker": {addr: {"nthreads": info["nthreads"],
                               "resources": dict(info.get("resources") or {})}
                        for addr, info in sorted(workers.items())},

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import distributed
 import numpy as np
 
-from pipeline import averaging_algorithms, keys, tasks
+from pipeline import averaging_algorithms, cluster, keys, tasks
 from pipeline.augment_graph import augment
 from pipeline.schedule import Round, epoch_permutation, shard_positions
 
@@ -91,6 +91,7 @@ class RoundGraph:
         self.payload_bytes = payload_bytes  # bytes of one replica's parameters
         self._perms: dict[int, np.ndarray] = {}
         self._workers: list | None = None  # worker addresses by name, for pin_replicas
+        self._rank_of: dict[str, str] = {}  # their RANK-i resources, where they advertise one
         self._unsafe: bool | None = None  # some worker lacks the train resources: no pins
         self.averaged_bytes = payload_bytes  # bytes per replica an average adds (auto weighs)
         self._plan: averaging_algorithms.Plan | None = None
@@ -144,29 +145,47 @@ class RoundGraph:
         with distributed.span("average"):
             return algorithm.broadcast(ctx, value)
 
-    def _pinned(self, replica: int) -> dict:
-        """``submit`` arguments that keep replica k where the averaging plan placed it, or with
-        ``cluster.pin_replicas`` on worker k mod W (the W workers offering the train resources,
-        sorted by name), as a rank stays on its GPU; a soft preference, so a lost worker's
-        replica moves on. Nothing is pinned where some worker lacks the train resources
-        (``_pinning_unsafe``)."""
-        if self._pinning_unsafe():
-            return {}
+    def _home(self, replica: int) -> str | None:
+        """The worker replica k lives on: where the averaging plan placed it, or with
+        ``cluster.pin_replicas`` worker k mod W of the W workers offering the train resources
+        (by rank where they advertise ``RANK-i``, else by name), as a rank stays on its GPU;
+        None: anywhere."""
         placement = self.average_plan().placement
         if placement is not None:
-            return dict(workers=[placement.replica_worker[replica]], allow_other_workers=True)
+            return placement.replica_worker[replica]
         if not self.config.cluster.pin_replicas:
-            return {}
+            return None
+        workers = self._train_workers()
+        return workers[replica % len(workers)] if workers else None
+
+    def _train_workers(self) -> list:
         if self._workers is None:
             info = self.client.scheduler_info(n_workers=-1)["workers"]
             able = {a for hosts in averaging_algorithms.workers_by_host(
                 self.client, self.train_resources).values() for a in hosts}
-            self._workers = [a for a, _ in sorted(info.items(), key=lambda w: str(w[1]["name"]))
-                             if a in able]
-        if not self._workers:
-            return {}
-        return dict(workers=[self._workers[replica % len(self._workers)]],
-                    allow_other_workers=True)
+            ranks = cluster.worker_ranks({a: dict(info[a].get("resources") or {})
+                                          for a in able if a in info})
+            if ranks and set(ranks.values()) == able:
+                self._workers = list(ranks.values())
+                self._rank_of = {a: cluster.rank_resource(r) for r, a in ranks.items()}
+            else:
+                self._workers = [a for a, _ in sorted(info.items(), key=lambda w: str(w[1]["name"]))
+                                 if a in able]
+        return self._workers
+
+    def _pinned(self, replica: int, resources: dict | None = None) -> dict:
+        """``submit`` arguments of a task of replica k that asks for ``resources``: a soft
+        preference for its ``_home``, so a lost worker's replica moves on. Where some worker
+        lacks the train resources (``_pinning_unsafe``) a resource-bound task is held to its home
+        by the home's ``RANK-i`` resource instead (restarted by its nanny, a worker keeps it),
+        and not placed at all where the workers advertise no ranks."""
+        home = self._home(replica)
+        if home is None:
+            return {"resources": resources}
+        if not resources or not self._pinning_unsafe():
+            return {"resources": resources, "workers": [home], "allow_other_workers": True}
+        rank = self._rank_of.get(home)
+        return {"resources": {**resources, rank: 1} if rank else resources}
 
     def _pinning_unsafe(self) -> bool:
         """Whether a soft pin could send a resource-bound task to a worker without the resource.
@@ -201,11 +220,10 @@ class RoundGraph:
         ``pin`` lives (see ``_pinned``), e.g. next to the mean that ``mean`` left there.
         """
         resources = self.train_resources if train else None
-        where = self._pinned(pin) if pin is not None else {}
+        where = self._pinned(pin, resources) if pin is not None else {"resources": resources}
         with distributed.span(stage):
             key = self.key(stage, *coords)
-            fut = self.client.submit(func, *args, key=key, pure=False, resources=resources,
-                                     **where)
+            fut = self.client.submit(func, *args, key=key, pure=False, **where)
             if fields is None:
                 return fut
             return tuple(self.client.submit(pick, fut, i, key=(*key, name), pure=False,
@@ -244,8 +262,8 @@ class RoundGraph:
         with distributed.span("train"):
             key = self.key("train", rnd.index, replica)
             fut = self.client.submit(tasks.train, params, opt, shard, spec, key=key, pure=False,
-                                     resources=self.train_resources,
-                                     **self._pinned(replica if pin is None else pin))
+                                     **self._pinned(replica if pin is None else pin,
+                                                    self.train_resources))
             # The picks ask for what the train- task did: a recomputed pick after a lost worker
             # would otherwise fetch the whole result to any worker (a loader) to take a part.
             picks = tuple(self.client.submit(pick, fut, i, key=(*key, name), pure=False,
@@ -264,12 +282,12 @@ class RoundGraph:
     def scatter(self, value, replica: int | None = None):
         """Put a host value on the cluster as a root with no lineage (checkpoints, resumes), on
         ``replica``'s worker when replicas are placed."""
-        where = self._pinned(replica).get("workers") if replica is not None else None
-        return self.client.scatter([value], hash=False, workers=where)[0]
+        return self.scatter_many([value], replica)[0]
 
     def scatter_many(self, values: list, replica: int | None = None) -> list:
         """``scatter`` of several values in one round trip; a ``None`` stays ``None``."""
-        where = self._pinned(replica).get("workers") if replica is not None else None
+        home = self._home(replica) if replica is not None else None
+        where = [home] if home is not None else None
         present = [v for v in values if v is not None]
         futures = iter(self.client.scatter(present, hash=False, workers=where) if present else ())
         return [next(futures) if v is not None else None for v in values]

@@ -49,9 +49,9 @@ def test_loader_workers_load_trainers_train_and_the_bytes_stay(tmp_path, dask_cl
     plain = train(_config(str(root)), dask_client, log=lambda m: None)
 
     roles = {addr: tuple(sorted(res)) for addr, res in spy.resources.items()}
-    assert sorted(roles.values()) == [("CPU",), ("TRAIN",)]  # one loader, one trainer
+    assert sorted(roles.values()) == [("CPU",), ("RANK-0", "TRAIN")]  # a loader, a trainer
     loader = next(a for a, r in roles.items() if r == ("CPU",))
-    trainer = next(a for a, r in roles.items() if r == ("TRAIN",))
+    trainer = next(a for a, r in roles.items() if "TRAIN" in r)
     assert spy.stages["decode"] == {loader} and spy.stages["augment"] == {loader}
     assert spy.stages["train"] == {trainer} and spy.stages["evaluate"] == {trainer}
     assert any("train-/evaluate- tasks on the workers advertising TRAIN, decode-/augment- on "
@@ -61,18 +61,53 @@ def test_loader_workers_load_trainers_train_and_the_bytes_stay(tmp_path, dask_cl
     assert split.history[-1]["test_acc"] == plain.history[-1]["test_acc"]
 
 
+class _Placement(_Spy):
+    """Also reads, per train- task of the run, the RANK-i resource of the worker that ran it."""
+
+    def close(self):
+        super().close()
+        rank = {a: next((n for n in res if n.startswith("RANK-")), None)
+                for a, res in self.resources.items()}
+        self.ranks = {(rec["key"][1], rec["key"][2]): rank[rec["worker"]]
+                      for rec in self.client.get_task_stream()
+                      if isinstance(rec["key"], tuple) and len(rec["key"]) == 3
+                      and keys.stage_of(rec["key"]) == "train"}
+
+
+def test_beside_loaders_each_replica_stays_on_its_ranked_training_worker(tmp_path, dask_client):
+    # Two training workers and a loader: a soft pin is unsafe there (work stealing could hand a
+    # train- task to the loader), so the training workers advertise RANK-0 and RANK-1 and
+    # replica k's train- tasks ask for RANK-k: every round, each replica on its own worker.
+    root = write_folder(tmp_path / "f", classes=2, per_class=16)
+    spy = _Placement()
+    fields = {"train.epochs": 2.0, "average.mix_every": "1"}
+    split = train(_config(str(root), **fields, **{
+        "cluster.workers": 2, "cluster.loader_workers": 1, "cluster.threads_per_worker": 1,
+        "cluster.dashboard_address": "127.0.0.1:0"}), hooks=[spy], log=lambda m: None)
+    plain = train(_config(str(root), **fields), dask_client, log=lambda m: None)
+    assert sorted(map(sorted, spy.resources.values())) == [
+        ["CPU"], ["RANK-0", "TRAIN"], ["RANK-1", "TRAIN"]]
+    assert len(spy.ranks) == 2 * len(split.history) > 8
+    assert all(rank == f"RANK-{k}" for (_, k), rank in spy.ranks.items()), spy.ranks
+    a, b = split.params, plain.params
+    assert sorted(a) == sorted(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
+
+
 class _Workers:
     """A client stand-in that only answers ``scheduler_info``: two trainers and, unless
     ``loader=False``, one loader."""
 
-    def __init__(self, loader: bool = True):
-        self.loader = loader
+    def __init__(self, loader: bool = True, ranks: bool = False):
+        self.loader, self.ranks = loader, ranks
 
     def scheduler_info(self, n_workers=-1):
+        # Ranks on purpose against the names' order: the ranks decide.
         workers = {
             "tcp://127.0.0.1:1": {"name": "loader-0", "resources": {"CPU": 1}},
-            "tcp://127.0.0.1:2": {"name": "cpu-0", "resources": {"TRAIN": 1}},
-            "tcp://127.0.0.1:3": {"name": "cpu-1", "resources": {"TRAIN": 1}}}
+            "tcp://127.0.0.1:2": {"name": "cpu-0", "resources": {
+                "TRAIN": 1, **({"RANK-1": 1} if self.ranks else {})}},
+            "tcp://127.0.0.1:3": {"name": "cpu-1", "resources": {
+                "TRAIN": 1, **({"RANK-0": 1} if self.ranks else {})}}}
         if not self.loader:
             del workers["tcp://127.0.0.1:1"]
         return {"workers": workers}
@@ -81,15 +116,21 @@ class _Workers:
 def test_pinned_replicas_go_to_the_training_workers_and_never_beside_a_loader():
     cfg = Config().replace(**{"cluster.pin_replicas": True, "train.replicas": 3})
 
-    def pins(client):
+    def pins(client, key="workers"):
         g = graph.RoundGraph(client, None, cfg, n_classes=10, device="cpu",
                              train_resources={"TRAIN": 1}, augment_resources={"CPU": 1})
-        return [g._pinned(k).get("workers") for k in range(3)]
+        return [g._pinned(k, {"TRAIN": 1}).get(key) for k in range(3)]
 
     assert pins(_Workers(loader=False)) == [
         ["tcp://127.0.0.1:2"], ["tcp://127.0.0.1:3"], ["tcp://127.0.0.1:2"]]
     # A loader lacks TRAIN: a soft pin would let work stealing hand a train- task to it.
     assert pins(_Workers()) == [None, None, None]
+    assert pins(_Workers(), "resources") == [{"TRAIN": 1}] * 3
+    # Training workers with ranks (as the embedded cluster starts them beside loaders or GPU
+    # workers): held to their rank by resource, which no loader has.
+    assert pins(_Workers(ranks=True)) == [None, None, None]
+    assert pins(_Workers(ranks=True), "resources") == [
+        {"TRAIN": 1, "RANK-0": 1}, {"TRAIN": 1, "RANK-1": 1}, {"TRAIN": 1, "RANK-0": 1}]
 
 
 def test_loader_workers_option_and_its_check():
