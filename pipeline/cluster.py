@@ -111,8 +111,9 @@ def connect(cfg: ClusterConfig, log: Callable[[str], None] | None = None, *,
     device (CUDA_VISIBLE_DEVICES); dashboard on `cfg.dashboard_address`. With
     `cfg.loader_workers` N, N more single-thread workers advertise only `CPU=1` (they decode and
     augment) and, without GPU workers, the CPU workers advertise `TRAIN=threads_per_worker`
-    instead (they train): `roles` names the two resources. `gpus` and the loaders are ignored
-    with an external scheduler: its workers advertise their own resources. `log` (default: this
+    instead (they train): `roles` names the two resources. Beside loaders or CPU workers the
+    training workers also advertise `RANK-i` (`rank_resource`). `gpus` and the loaders are
+    ignored with an external scheduler: its workers advertise their own resources. `log` (default: this
     module's logger) gets one line with the scheduler, workers, resources and dashboard link.
     Everything this opens is closed on exit, also on errors.
     """

@@ -284,9 +284,11 @@ class ClusterConfig:
     tls_key: str | None = None  # TLS: this client's private key
     connect_timeout: float = 10.0  # seconds to wait for the scheduler before giving up
     resource_timeout: float = 5.0  # seconds to wait for a worker with a needed resource
-    pin_replicas: bool = True  # replica k's train- tasks prefer worker k mod W (sorted by name),
-    #                            as a rank stays on its GPU; off: the scheduler places them (it
-    #                            stacks replicas on one worker in some rounds: placement.py)
+    pin_replicas: bool = True  # replica k's train- tasks prefer worker k mod W (sorted by name;
+    #                            beside workers without the train resource: asking for the
+    #                            RANK-i resource of a ranked worker), as a rank stays on its GPU;
+    #                            off: the scheduler places them (it stacks replicas on one
+    #                            worker in some rounds: placement.py)
     gpu_workers_per_device: int = 1  # LocalCluster GPU worker processes per device (replicas
     #                                  share the device by time-slicing; benchmarks/gpu.py)
     gpu_threads: int = 1  # LocalCluster threads per GPU worker (concurrent train- tasks in one

@@ -54,11 +54,15 @@ def lost_work_types() -> tuple:
     Distributed recomputes a lost key from its lineage by itself; what reaches the driver is
     what it cannot: a task that killed its workers (KilledWorker), keys forgotten because a
     scattered root or a dependency died with its worker (FutureCancelledError "already
-    forgotten" / "lost dependencies"), a scatter to a worker that just died (OSError).
+    forgotten" / "lost dependencies"), a scatter to a worker that just died (OSError), tasks
+    that no worker left may run (the watchdog's NoWorker: a ranked worker gone for good).
     """
     import distributed
     from distributed.client import FutureCancelledError, FuturesCancelledError
-    return (distributed.KilledWorker, FutureCancelledError, FuturesCancelledError, OSError)
+
+    from pipeline.watchdog import NoWorker
+    return (distributed.KilledWorker, FutureCancelledError, FuturesCancelledError, OSError,
+            NoWorker)
 
 
 def decide(exc: BaseException, cluster: ClusterState, retries: int, *, where: str,

@@ -142,17 +142,35 @@ def executing(suffix: str, dask_scheduler=None) -> list[tuple]:
     return out
 
 
-def survey(suffix: str, dask_scheduler=None) -> tuple[list, list]:
-    """Runs on the scheduler: one look's :func:`executing` rows and
-    :func:`assignments.assigned` pairs (one round trip for both)."""
+def unrunnable(suffix: str, dask_scheduler=None) -> list[tuple]:
+    """Runs on the scheduler: ``(key, seconds, resources)`` of the run's tasks that no connected
+    worker may run (distributed's "no-worker" state), e.g. ones that ask for the ``RANK-i`` of a
+    worker that is gone, with how long they have waited and what they ask for."""
+    now = time.monotonic()  # distributed times ``unrunnable`` on the monotonic clock
+    out = []
+    for ts, since in getattr(dask_scheduler, "unrunnable", {}).items():
+        name = ts.key[0] if isinstance(ts.key, tuple) and ts.key else None
+        if isinstance(name, str) and name.endswith(suffix):
+            out.append((str(ts.key), now - since, dict(ts.resource_restrictions or {})))
+    return out
+
+
+def survey(suffix: str, dask_scheduler=None) -> tuple[list, list, list]:
+    """Runs on the scheduler: one look's :func:`executing` rows, :func:`assignments.assigned`
+    pairs and :func:`unrunnable` rows (one round trip for all)."""
     return (executing(suffix, dask_scheduler=dask_scheduler),
-            assignments.assigned(suffix, dask_scheduler=dask_scheduler))
+            assignments.assigned(suffix, dask_scheduler=dask_scheduler),
+            unrunnable(suffix, dask_scheduler=dask_scheduler))
 
 
 async def remove_worker(address: str, dask_scheduler=None) -> str:
     """Runs on the scheduler: drop ``address`` now (its tasks go back to be scheduled elsewhere)."""
     return await dask_scheduler.remove_worker(address=address, close=True,
                                               stimulus_id=f"stalled-task-watchdog-{time.time()}")
+
+
+class NoWorker(RuntimeError):
+    """Tasks of the run that no connected worker may run: work lost with a worker."""
 
 
 class Watchdog:
@@ -202,7 +220,7 @@ class Watchdog:
         if not self.enabled:
             return []
         try:
-            rows, pairs = self.client.run_on_scheduler(survey, suffix)
+            rows, pairs, stuck = self.client.run_on_scheduler(survey, suffix)
         except Exception as exc:  # e.g. a scheduler that cannot import this package
             self.enabled = False
             self.log(f"stalled-task watchdog off: the scheduler cannot run it "
@@ -221,7 +239,20 @@ class Watchdog:
                 except Exception as exc:  # gone already: nothing left to retire
                     self.log(f"could not retire {v.task.worker}: {type(exc).__name__}: {exc}")
         self.reassign(pairs)
+        self._no_worker(stuck)
         return verdicts
+
+    def _no_worker(self, stuck: list) -> None:
+        """A task no connected worker may run for ``max(stall_min_s, connect_timeout)`` seconds
+        (its ranked worker retired or gone for good) ends the attempt as lost work: the replay
+        places the replicas on the workers there are then."""
+        limit = max(self.cfg.stall_min_s, self.cfg.connect_timeout)
+        over = [(key, seconds, needs) for key, seconds, needs in stuck if seconds > limit]
+        if over:
+            key, seconds, needs = max(over, key=lambda x: x[1])
+            wanted = " ".join(f"{k}={v:g}" for k, v in sorted(needs.items())) or "nothing"
+            raise NoWorker(f"{key} has waited {seconds:.0f} s for a worker offering {wanted}; "
+                           "no connected worker does")
 
     def reassign(self, pairs: list) -> list[assignments.Lost]:
         """Ask the workers of ``pairs`` (``(key, worker)`` processing there, from

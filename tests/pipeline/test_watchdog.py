@@ -138,3 +138,31 @@ def test_a_stopped_worker_is_retired_and_the_result_is_unchanged(dask_client):
     assert took < 60, (took, log)  # distributed alone: worker-ttl, 5 to 10 minutes
     for key in reference:
         assert reference[key].tobytes() == result.params[key].tobytes(), (key, log)
+
+
+def test_a_task_no_worker_may_run_ends_the_attempt_as_lost_work(dask_client):
+    """A train- task held to the rank of a worker that is gone (here: a rank no worker ever
+    had) waits in distributed's "no-worker" state for good; past max(stall_min_s,
+    connect_timeout) the watchdog ends the attempt with NoWorker, which recovery replays."""
+    from pipeline import recovery
+    from pipeline.config import ClusterConfig
+    held = dask_client.submit(sum, [1, 2], key=("train-nowork", 0, 1), pure=False,
+                              resources={"CPU": 1, "RANK-9": 1})
+    free = dask_client.submit(sum, [3, 4], key=("train-nowork", 0, 0), pure=False)
+    log = []
+    dog = watchdog.Watchdog(dask_client, ClusterConfig(stall_min_s=0.5, connect_timeout=0.5),
+                            log.append, poll_s=0.2)
+    start = time.monotonic()
+    with pytest.raises(watchdog.NoWorker, match=r"\('train-nowork', 0, 1\) has waited \d+ s for "
+                                                r"a worker offering CPU=1 RANK-9=1; no connected "
+                                                r"worker does"):
+        dog.wait([held, free], "-nowork")
+    assert 0.5 < time.monotonic() - start < 10
+    assert free.result(timeout=10) == 7
+    decision = recovery.decide(watchdog.NoWorker("x"), recovery.ClusterState(True), 0, where="",
+                               stopped_in=0)
+    assert decision == recovery.Replay(1)
+    # Another run's unrunnable task is not this run's business.
+    assert dask_client.run_on_scheduler(watchdog.unrunnable, "-other") == []
+    assert len(dask_client.run_on_scheduler(watchdog.unrunnable, "-nowork")) == 1
+    held.cancel()
