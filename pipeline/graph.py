@@ -90,7 +90,7 @@ class RoundGraph:
         self.token = token or keys.new_token()
         self.payload_bytes = payload_bytes  # bytes of one replica's parameters
         self._perms: dict[int, np.ndarray] = {}
-        self._workers: list | None = None  # worker addresses by name, for pin_replicas
+        self._workers: list | None = None  # training workers by rank or name, for pin_replicas
         self._rank_of: dict[str, str] = {}  # their RANK-i resources, where they advertise one
         self._unsafe: bool | None = None  # some worker lacks the train resources: no pins
         self.averaged_bytes = payload_bytes  # bytes per replica an average adds (auto weighs)
@@ -159,6 +159,8 @@ class RoundGraph:
         return workers[replica % len(workers)] if workers else None
 
     def _train_workers(self) -> list:
+        """Addresses of the workers offering the train resources, in rank order where each
+        advertises a ``RANK-i`` (and ``_rank_of`` filled), else by worker name; once an attempt."""
         if self._workers is None:
             info = self.client.scheduler_info(n_workers=-1)["workers"]
             able = {a for hosts in averaging_algorithms.workers_by_host(
@@ -169,8 +171,8 @@ class RoundGraph:
                 self._workers = list(ranks.values())
                 self._rank_of = {a: cluster.rank_resource(r) for r, a in ranks.items()}
             else:
-                self._workers = [a for a, _ in sorted(info.items(), key=lambda w: str(w[1]["name"]))
-                                 if a in able]
+                by_name = sorted(info.items(), key=lambda w: str(w[1]["name"]))
+                self._workers = [a for a, _ in by_name if a in able]
         return self._workers
 
     def _pinned(self, replica: int, resources: dict | None = None) -> dict:
