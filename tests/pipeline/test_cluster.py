@@ -184,6 +184,9 @@ def test_embedded_gpu_workers_advertise_gpu_and_see_one_device():
             cluster.require_resource(client, "TPU", timeout=30)  # embedded: no waiting
     assert "waited" not in str(err.value) and "dask worker" not in str(err.value)
     assert (info["workers"], info["threads"], info["resources"]) == (2, 2, {"CPU": 1, "GPU": 1})
+    # Beside a CPU worker the GPU worker is a rank: replicas are held to it by RANK-0.
+    assert sorted(map(sorted, (w["resources"] for w in info["per_worker"].values()))) == [
+        ["CPU"], ["GPU", "RANK-0"]] and info["ranks"] == 1
     assert info["dashboard"].startswith("http://127.0.0.1:")
     assert seen == "3" and cpu_seen != "3"
     assert list(quiet.values()) == [True, True]
