@@ -98,7 +98,12 @@ def describe(lost: Lost, state: str | None = None) -> str:
 # The Dask side (attribute access only: this module imports no dask)
 
 
-def _ours(key, suffix: str) -> bool:
+def ours(key, suffix: str) -> bool:
+    """Whether ``key`` is a task of the run whose key prefixes end with ``suffix``.
+
+    >>> ours(("train-ab12", 3, 1), "-ab12"), ours(("load-cd34", 0), "-ab12"), ours("x", "-ab12")
+    (True, False, False)
+    """
     name = key[0] if isinstance(key, tuple) and key and isinstance(key[0], str) else None
     return name is not None and name.endswith(suffix)
 
@@ -112,7 +117,7 @@ def assigned(suffix: str, dask_scheduler=None, heard_s: float = HEARD_S) -> list
     anchor. Silent workers are the stalled-task watchdog's (``watchdog.executing``)."""
     now = time.time()
     todo = [ts for ts in dask_scheduler.tasks.values()
-            if ts.state in ("waiting", "processing") and _ours(ts.key, suffix)]
+            if ts.state in ("waiting", "processing") and ours(ts.key, suffix)]
     seen, found = set(), []
     while todo:
         ts = todo.pop()

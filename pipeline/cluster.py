@@ -361,9 +361,10 @@ def describe(client: distributed.Client) -> dict:
     "per_worker": {addr: {"nthreads": int, "resources": {...}}}, "dashboard": str | None}.
     """
     workers = client.scheduler_info(n_workers=-1)["workers"]
+    resources = {addr: dict(info.get("resources") or {}) for addr, info in workers.items()}
     totals: dict[str, float] = {}
-    for info in workers.values():
-        for name, amount in (info.get("resources") or {}).items():
+    for res in resources.values():
+        for name, amount in res.items():
             if not name.startswith(RANK):  # one per training worker: `ranks` counts them
                 totals[name] = totals.get(name, 0) + amount
     return {
@@ -371,9 +372,8 @@ def describe(client: distributed.Client) -> dict:
         "workers": len(workers),
         "threads": sum(info["nthreads"] for info in workers.values()),
         "resources": dict(sorted(totals.items())),
-        "ranks": len(worker_ranks({a: dict(i.get("resources") or {}) for a, i in workers.items()})),
-        "per_worker": {addr: {"nthreads": info["nthreads"],
-                              "resources": dict(info.get("resources") or {})}
+        "ranks": len(worker_ranks(resources)),
+        "per_worker": {addr: {"nthreads": info["nthreads"], "resources": resources[addr]}
                        for addr, info in sorted(workers.items())},
         "dashboard": _dashboard_link(client),
     }

@@ -186,6 +186,7 @@ class RoundGraph:
             return {"resources": resources}
         if not resources or not self._pinning_unsafe():
             return {"resources": resources, "workers": [home], "allow_other_workers": True}
+        self._train_workers()  # fills _rank_of also where the averaging plan chose the home
         rank = self._rank_of.get(home)
         return {"resources": {**resources, rank: 1} if rank else resources}
 

@@ -147,12 +147,9 @@ def unrunnable(suffix: str, dask_scheduler=None) -> list[tuple]:
     worker may run (distributed's "no-worker" state), e.g. ones that ask for the ``RANK-i`` of a
     worker that is gone, with how long they have waited and what they ask for."""
     now = time.monotonic()  # distributed times ``unrunnable`` on the monotonic clock
-    out = []
-    for ts, since in getattr(dask_scheduler, "unrunnable", {}).items():
-        name = ts.key[0] if isinstance(ts.key, tuple) and ts.key else None
-        if isinstance(name, str) and name.endswith(suffix):
-            out.append((str(ts.key), now - since, dict(ts.resource_restrictions or {})))
-    return out
+    return [(str(ts.key), now - since, dict(ts.resource_restrictions or {}))
+            for ts, since in getattr(dask_scheduler, "unrunnable", {}).items()
+            if assignments.ours(ts.key, suffix)]
 
 
 def survey(suffix: str, dask_scheduler=None) -> tuple[list, list, list]:
