@@ -148,21 +148,28 @@ def test_decoding_each_round_gives_the_cached_run_byte_for_byte(tmp_path, dask_c
 
 @pytest.mark.slow
 def test_resnet20_learns_a_folder_at_64_and_evaluate_reads_its_val(tmp_path, capsys):
-    root = write_split_folder(tmp_path / "flowers", classes=2, train=24, val=8)
+    # Settings with margin on every BLAS kernel (Haswell, SkylakeX, Sandybridge, Zen give test
+    # accuracy 1.0 at epochs 3 and 4, train loss 0.05-0.11): batch 8 and lr 0.005. Batch 4 at
+    # lr 0.02 was at the edge of divergence (loss 0.13 -> 0.87 -> 0.11 under SkylakeX, chance).
+    root = write_split_folder(tmp_path / "flowers", classes=2, train=24, val=16)
     out = tmp_path / "run"
     code = main(["train", "--data", str(root), "--image-size", "64", "--model", "resnet20",
-                 "--strategy", "single", "--batch-size", "4", "--epochs", "3", "--lr", "0.02",
+                 "--strategy", "single", "--batch-size", "8", "--epochs", "4", "--lr", "0.005",
                  "--augment", "resized-crop", "--workers", "2", "--out", str(out),
                  "--no-progress"])
     assert code == 0, capsys.readouterr().err
     history = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert history[-1]["test_acc"] >= 0.8, history[-1]  # chance: 0.5 (1.0 when written)
-    assert history[-1]["train_loss"] < history[0]["train_loss"]
+    evaluated = [h["test_acc"] for h in history if h.get("test_acc") is not None]
+    # Learns: the last two evaluations of 32 images both >= 0.8 (chance 0.5; 1.0 seen everywhere),
+    # and the second half's mean train loss is under a third of the first round's.
+    assert len(evaluated) >= 2 and min(evaluated[-2:]) >= 0.8, history
+    late = [h["train_loss"] for h in history[len(history) // 2:]]
+    assert np.mean(late) < history[0]["train_loss"] / 3, history
     capsys.readouterr()
     assert main(["evaluate", "--model", "resnet20", "--weights", str(out / "model.npz"),
                  "--data", str(root)]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["n"] == 16 and result["test_acc"] == pytest.approx(history[-1]["test_acc"])
+    assert result["n"] == 32 and result["test_acc"] == pytest.approx(history[-1]["test_acc"])
     assert np.isfinite(result["test_loss"])
 
 
