@@ -9,7 +9,7 @@ On one seeded CIFAR-shaped uint8 batch (N x 3 x 32 x 32), in one process limited
 
 each the best of ``--repeats`` interleaved rounds (other processes share the 2 cores here, so the
 best is the least disturbed run). The loop's output must equal the vectorized one byte for byte.
-Then ``pipeline.augment_graph.augment_array`` on a LocalCluster of 1 and of 2 one-thread worker
+Then ``pipeline.data.augment.augment_array`` on a LocalCluster of 1 and of 2 one-thread worker
 processes, the raw batch persisted once with the chunk plan: the time to persist ``--epochs``
 augmented epochs, best of ``--repeats``; both clusters must give the same bytes.
 
@@ -38,7 +38,7 @@ sys.path[:] = [str(REPO)] + [p for p in sys.path if Path(p or ".").resolve() != 
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 import augment  # noqa: E402
-from pipeline.rng import rng_for  # noqa: E402
+from pipeline.core.rng import rng_for  # noqa: E402
 
 TARGET_SPEEDUP, TARGET_MEMCPY = 15.0, 0.1  # issue 3's acceptance figures
 
@@ -87,7 +87,7 @@ def dask_fan_out(images: np.ndarray, policy, seed: int, chunk: int, workers: int
     import dask.array as da
     from distributed import Client, LocalCluster, wait
 
-    from pipeline.augment_graph import augment_array
+    from pipeline.data.augment import augment_array
 
     # The raw batch enters the graph once (from_array, then persisted): no large-graph warning.
     with dask.config.set({"distributed.admin.large-graph-warning-threshold": "1GiB"}), \

@@ -4,7 +4,7 @@ For each K (a LocalCluster of K one-thread worker processes) and model size L (s
 float32 arrays), with the K states already in memory on K distinct workers:
 
 - p2p: time to move one L-byte state from worker 1 to worker 0 (a task on 0 that depends on it),
-- reduce: ``pipeline.reduction.tree_reduce`` with ``averaging.combine/finalize``, submit to the
+- reduce: ``pipeline.averaging.reduction.tree_reduce`` with ``averaging.combine/finalize``, submit to the
   root's completion (the averaged state exists on one worker),
 - allreduce: the same plus every worker holding the averaged state (the next round's inputs),
 
@@ -12,7 +12,7 @@ each the best of ``--repeats`` fresh runs (new inputs, so nothing is cached on t
 best-of rather than median because the 2 cores are shared with other jobs).
 Seed 001's effective bandwidth is ``2 L (K-1) / K / time``; ``fraction`` divides it by the p2p
 bandwidth ``L / time_p2p`` measured in the same cluster. The last line is one JSON object; its
-``calibration`` holds the local constants ``pipeline.scaling`` uses for this machine.
+``calibration`` holds the local constants ``pipeline.averaging.cost`` uses for this machine.
 
     .venv/bin/python benchmarks/averaging.py --repeats 5          # ~3 min on 2 cores
     .venv/bin/python benchmarks/averaging.py --sizes 1,10 --replicas 2,4 --repeats 2
@@ -36,8 +36,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.g
 from dask.base import tokenize  # noqa: E402
 from distributed import Client, LocalCluster, get_task_stream, wait  # noqa: E402
 
-from pipeline import averaging  # noqa: E402
-from pipeline.reduction import tree_plan, tree_reduce  # noqa: E402
+from pipeline.averaging import exact as averaging  # noqa: E402
+from pipeline.averaging.reduction import tree_plan, tree_reduce  # noqa: E402
 
 MB = 1_000_000
 N_BIG = 16  # large arrays per state (conv/fc weights) ...

@@ -30,9 +30,9 @@ def make_trainer(name: str, kernels: str, batch: int, seed: int = 0):
     import numpy as np
 
     import augment
-    from pipeline.cifar import synthetic_batch
-    from pipeline.compat import F, chainer
-    from pipeline.models import build_model
+    from pipeline.data.cifar import synthetic_batch
+    from pipeline.backends.chainer.compat import F, chainer
+    from pipeline.backends.chainer.models import build_model
     model = build_model(name, 10, seed=seed)
     optimizer = chainer.optimizers.Adam(alpha=1e-3)
     optimizer.setup(model)
@@ -70,8 +70,8 @@ def record_products(step) -> list:
     Each product is ``(tag, (a shape, a order), (b shape, b order))``, the tag naming the
     outermost Chainer function and pass it ran in (as the profile does).
     """
-    from pipeline.compat import chainer
-    from pipeline.cpu_kernels import convolution
+    from pipeline.backends.chainer.compat import chainer
+    from pipeline.backends.chainer.cpu_kernels import convolution
     products, where = [], []
     gemm = convolution.gemm
 
@@ -141,7 +141,7 @@ def replay(products, np, rng) -> callable:
 
 def profile_step(step, repeats: int = 3) -> dict:
     """Thread CPU seconds per step by Chainer function (forward and backward), optimizer, rest."""
-    from pipeline.compat import chainer
+    from pipeline.backends.chainer.compat import chainer
 
     class Timer(chainer.FunctionHook):
         """Outermost calls only: a backward that runs gradient FunctionNodes counts them in."""
@@ -230,7 +230,7 @@ def main(argv=None):
     import numpy as np
     from threadpoolctl import threadpool_limits
 
-    from pipeline.chainer_backend import _keep_heap_for_training
+    from pipeline.backends.chainer.backend import _keep_heap_for_training
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="cifar10-2015,resnet20,small-cnn")
     p.add_argument("--batch-size", type=int, default=100)

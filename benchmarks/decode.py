@@ -156,9 +156,10 @@ def loading_alone(client, cfg, resources: dict | None, epochs: float = 1.0,
     of its own. ``dataset``: ``cfg``'s, already listed and scanned (default: load it)."""
     from distributed import wait
 
-    from pipeline import graph, strategies
-    from pipeline.data import load_dataset
-    from pipeline.schedule import shard_positions
+    from pipeline.training import graph
+    from pipeline.training import strategies
+    from pipeline.data.datasets import load_dataset
+    from pipeline.core.schedule import shard_positions
     ds = dataset if dataset is not None else load_dataset(cfg.data.source, cfg.data)
     data = graph.persist_dataset(client, ds, resources=resources)
     assert data.stream is not None, "expected the uncached path"
@@ -192,7 +193,7 @@ def decode_augment(folder: str, files: list, a) -> tuple:
     epoch, so a change in the machine's speed during the run hits both alike; best of
     ``--repeats``.
     """
-    from pipeline.data import load_dataset
+    from pipeline.data.datasets import load_dataset
     loop = pil_loop(files[:600], a.image_size, a.seed)
     res = None if a.no_resources else {"CPU": 1}
     cfg = epoch_config(folder, a, "off").replace(**{
@@ -226,8 +227,8 @@ def epoch_cluster(loaders: bool):
     """The epoch part's cluster on two cores: one one-thread training worker and one one-thread
     loader (``--loader-workers 1``, the machine split as a GPU box's is: training on its device,
     loading on CPU cores), or the former one worker process with two threads that share both."""
-    from pipeline.cluster import connect
-    from pipeline.config import ClusterConfig
+    from pipeline.cluster.connection import connect
+    from pipeline.core.config import ClusterConfig
     split = {"loader_workers": 1} if loaders else {"threads_per_worker": 2}
     with connect(ClusterConfig(workers=1, dashboard_address="127.0.0.1:0", **split),
                  log=lambda m: None) as client:

@@ -1,6 +1,6 @@
 """Benchmark: training images/s of one train- task per model on the CPU and, where CuPy sees a GPU, on it.
 
-Calls ``pipeline.tasks.train`` directly (what a train- task runs: uint8 in, normalize on the
+Calls ``pipeline.training.tasks.train`` directly (what a train- task runs: uint8 in, normalize on the
 device, ``--steps`` optimizer steps, host state out), after one warm-up call per device.
 CPU runs use ``--threads`` BLAS threads.
 
@@ -27,13 +27,14 @@ def devices():
 
 
 def images_per_second(model: str, device: str, batch: int, steps: int) -> float:
-    from pipeline import tasks
-    from pipeline.cifar import synthetic_batch
+    from pipeline.training import tasks
+    from pipeline.data.cifar import synthetic_batch
+    from pipeline.data.readers import Shard
     images, labels = synthetic_batch(0, "train", 0, batch * steps)
     params = tasks.init_params(model, 10, seed=0)
     spec = tasks.StepSpec(model, 10, "momentum", 0.9, 0.0, (0.01,) * steps, batch, "steps",
                           0, 0, 0, device)
-    shard = tasks.Shard(images, labels)
+    shard = Shard(images, labels)
     warm = spec._replace(lrs=(0.01,))
     tasks.train(params, None, shard, warm)
     if device != "cpu":

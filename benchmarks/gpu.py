@@ -5,7 +5,7 @@ For each model (``cifar10-2015``, ``resnet20``) and per-replica batch (100, 512)
 (a) ``torch``   the same architecture in PyTorch, a bare loop (Adam, uint8 batches sent to the
                 GPU and normalised there, no per-step sync), PyTorch's defaults incl. cuDNN;
 (b) ``chainer`` a bare Chainer-on-CuPy loop over the same model definition we train
-                (``pipeline.models``), same optimizer and data path;
+                (``pipeline.backends.chainer.models``), same optimizer and data path;
 (c) ``single``  ``pipeline.train`` with strategy single through the embedded cluster: CPU
                 workers augment, one GPU worker trains; steady-state images/s from the rounds'
                 wall-clock stamps (the first rounds, with kernel compilation, excluded);
@@ -68,7 +68,7 @@ class GpuUtilisation:
 
 
 def _data(batch: int, steps: int):
-    from pipeline.cifar import synthetic_batch
+    from pipeline.data.cifar import synthetic_batch
     n = min(batch * steps, 20480)
     images, labels = synthetic_batch(0, "train", 0, n)
     return images, labels.astype(np.int64), n
@@ -208,10 +208,10 @@ def bench_chainer(model: str, batch: int, steps: int, warmup: int, type_check: b
     import cupy
 
     import augment
-    from pipeline.compat import F, chainer
-    from pipeline.models import build_model
-    from pipeline.rng import rng_for
-    from pipeline.state import make_optimizer, setup_optimizer
+    from pipeline.backends.chainer.compat import F, chainer
+    from pipeline.backends.chainer.models import build_model
+    from pipeline.core.rng import rng_for
+    from pipeline.backends.chainer.state import make_optimizer, setup_optimizer
     images, labels, n = _data(batch, steps)
     labels = labels.astype(np.int32)
     link = build_model(model, 10, seed=0)
@@ -278,7 +278,7 @@ def main(argv=None):
     p.add_argument("--skip-ipm", action="store_true")
     a = p.parse_args(argv)
     import cupy
-    from pipeline import compat
+    from pipeline.backends.chainer import compat
     print(compat.cuda_summary(), flush=True)
     figures, ratios = {}, {}
     for model in a.models.split(","):

@@ -1,7 +1,7 @@
 """Benchmark: what the optional run logs cost per round: TensorBoard (tensorboardX) and CSV.
 
 Writes ``--rounds`` metrics lines (the 11 scalars of a round, stage seconds included) through the
-run-output hooks of ``pipeline.hooks`` into a temporary directory and reports microseconds per
+run-output hooks of ``pipeline.outputs.hooks`` into a temporary directory and reports microseconds per
 round, and the one-time import of tensorboardX. A round of the smallest test run takes ~100 ms.
 
     .venv/bin/python benchmarks/logwriters.py               # a few seconds
@@ -24,7 +24,7 @@ def main() -> None:
     import tensorboardX  # noqa: F401
     import_s = time.perf_counter() - start
     from pipeline import Config
-    from pipeline.hooks import CSVLog, RunInfo, TensorBoardLog, scalars
+    from pipeline.outputs.hooks import CSVLog, RunInfo, TensorBoardLog, scalars
     stages = ("load", "augment", "train", "average", "evaluate", "waiting")
     line = {"round": 0, "epoch": 0, "epoch_float": 0.1, "step": 1, "train_loss": 2.3,
             "train_acc": 0.1, "test_loss": 2.3, "test_acc": 0.1, "lr": 0.01, "images": 128,

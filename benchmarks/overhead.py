@@ -23,9 +23,9 @@ def bare_loop(model_name: str, source: str, epochs: int, batch: int, lr: float, 
     from threadpoolctl import threadpool_limits
 
     import augment
-    from pipeline.compat import F, chainer
-    from pipeline.data import dataset_arrays, load_dataset
-    from pipeline.models import build_model
+    from pipeline.backends.chainer.compat import F, chainer
+    from pipeline.data.datasets import dataset_arrays, load_dataset
+    from pipeline.backends.chainer.models import build_model
     x, y, xt, yt = dataset_arrays(load_dataset(source))
     model = build_model(model_name, int(y.max()) + 1, seed=seed)
     optimizer = chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)

@@ -30,10 +30,11 @@ def augment_only(client, cfg) -> float:
     """Seconds to run every augment- task of the run, with no training."""
     from distributed import wait
 
-    from pipeline import graph, strategies
-    from pipeline.data import load_dataset
-    from pipeline.schedule import steps_per_epoch
-    from pipeline.strategies.base import Context
+    from pipeline.training import graph
+    from pipeline.training import strategies
+    from pipeline.data.datasets import load_dataset
+    from pipeline.core.schedule import steps_per_epoch
+    from pipeline.training.strategies.base import Context
     ds = load_dataset(cfg.data.source)
     data = graph.persist_dataset(client, ds)
     wait(data.train_images + data.train_labels)

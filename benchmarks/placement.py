@@ -24,9 +24,10 @@ from _common import emit  # noqa: I001
 def one_run(cfg, workers: int, pin: bool, loaders: int = 0) -> dict:
     from distributed import get_task_stream
 
-    from pipeline import keys, train
-    from pipeline.cluster import connect
-    from pipeline.config import ClusterConfig
+    from pipeline import train
+    from pipeline.core import keys
+    from pipeline.cluster.connection import connect
+    from pipeline.core.config import ClusterConfig
     cfg = cfg.replace(**{"cluster.pin_replicas": pin})
     quiet = {"log": lambda m: None}
     with connect(ClusterConfig(workers=workers, threads_per_worker=1, loader_workers=loaders,

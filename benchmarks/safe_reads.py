@@ -1,7 +1,7 @@
 """What the safe readers cost: a CIFAR batch through plain ``pickle.loads`` (which would run any
 code a file carries) against ``cifar.parse_batch`` (restricted unpickler, opcode pass, arrays built
 from checked state), and a ``model.npz`` through ``np.load(allow_pickle=True)`` (what Chainer's
-``load_npz`` does) against ``pipeline.npz.read``.
+``load_npz`` does) against ``pipeline.core.npz.read``.
 
     python benchmarks/safe_reads.py [--images 10000] [--repeats 7]
 
@@ -29,7 +29,9 @@ def best(fn, repeats: int) -> float:
 def main() -> None:
     import numpy as np
 
-    from pipeline import cifar, npz, tasks
+    from pipeline.data import cifar
+    from pipeline.core import npz
+    from pipeline.training import tasks
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=10_000, help="images in the batch")
     parser.add_argument("--repeats", type=int, default=7)

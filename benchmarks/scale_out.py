@@ -1,7 +1,7 @@
 """Benchmark: averaging across emulated hosts on rate-capped links, per algorithm, and whole ipm
-rounds against ``pipeline.scaling``'s prediction for the same cluster.
+rounds against ``pipeline.averaging.cost``'s prediction for the same cluster.
 
-For each host count H (``--hosts 2,4,8``) this starts H emulated hosts (``pipeline.emulated``:
+For each host count H (``--hosts 2,4,8``) this starts H emulated hosts (``pipeline.cluster.emulated``:
 network namespaces, one ``dask worker`` each, every link capped at ``--rate`` each way by tbf)
 and, from the head namespace where the scheduler runs:
 
@@ -9,7 +9,7 @@ and, from the head namespace where the scheduler runs:
 - allreduce, per algorithm: H fresh states (one replica per host, made on their workers), from
   submitting the average until every replica's worker holds the mean. Effective bandwidth is
   ``2 L (K-1)/K / time`` (seed 001's count) over the link rate; beside it the time
-  ``pipeline.scaling.comm_time`` predicts from the measured p2p link;
+  ``pipeline.averaging.cost.comm_time`` predicts from the measured p2p link;
 - cpu: while each allreduce runs, the CPU seconds of all the run's processes (workers,
   scheduler, driver; the kernel's veth/bridge/tbf work is charged to them) per second, and the
   whole machine's busy fraction: well under the 2 cores means the links are the bottleneck;
@@ -43,7 +43,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pipeline import emulated  # noqa: E402
+from pipeline.cluster import emulated  # noqa: E402
 
 ALGORITHMS = ("tree", "sharded", "hierarchical")
 MB = 1_000_000
@@ -134,8 +134,8 @@ def measure_allreduce(client, name: str, placement, n_bytes: int, fan_in: int, r
                       tag: str) -> dict:
     from distributed import wait
 
-    from pipeline import averaging_algorithms
-    from pipeline.averaging_algorithms import Context
+    from pipeline.averaging import algorithms as averaging_algorithms
+    from pipeline.averaging.algorithms import Context
     k = placement.n_replicas
     states = [client.submit(make_state, n_bytes, float(i), workers=[placement.replica_worker[i]],
                             pure=False, key=(f"make_state-{tag}", i)) for i in range(k)]
@@ -174,8 +174,9 @@ def inner(args) -> None:
     import numpy as np
     from distributed import Client
 
-    from pipeline import averaging_algorithms, scaling
-    from pipeline.placement import place
+    from pipeline.averaging import algorithms as averaging_algorithms
+    from pipeline.averaging import cost as scaling
+    from pipeline.averaging.placement import place
     run = os.environ["DCP_EMULATED_RUN"]
     n_bytes = int(args.mb * MB)
     with Client(args.scheduler) as client:

@@ -1,4 +1,4 @@
-"""Benchmark: pipeline.scaling's check against seed 001 and its speedup predictions to 256 workers.
+"""Benchmark: pipeline.averaging.cost's check against seed 001 and its speedup predictions to 256 workers.
 
 Prints the seed-001 allreduce check, then a markdown table per link of predicted speedup for
 ``gradient`` (average gradients every step) and ``ipm`` at H = 8 and 32, each with a ring
@@ -26,8 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pipeline import scaling  # noqa: E402
-from pipeline.scaling import HUNDRED_GBPS, PCIE3, TEN_GBE, Workload, speedup  # noqa: E402
+from pipeline.averaging import cost as scaling  # noqa: E402
+from pipeline.averaging.cost import HUNDRED_GBPS, PCIE3, TEN_GBE, Workload, speedup  # noqa: E402
 
 V100_FP32_IMAGES_PER_S = 367  # DeepLearningExamples RN50 v1.5 PyTorch, 1x V100 16GB, FP32
 RESNET50 = Workload(compute_s_per_sample=1 / V100_FP32_IMAGES_PER_S, batch_size=32,
@@ -115,7 +115,7 @@ def plot(path: Path) -> None:
         ax.grid(True, which="major", alpha=0.3)
     axes[0].set_ylabel("speedup (images/s over one worker)")
     axes[1].legend(fontsize=7, loc="upper left")
-    fig.suptitle("pipeline.scaling: V100 FP32 367 img/s, 32 img/worker/step, L = 102 MB")
+    fig.suptitle("pipeline.averaging.cost: V100 FP32 367 img/s, 32 img/worker/step, L = 102 MB")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -5,19 +5,22 @@ Notebook use::
     from pipeline import Config, train
     result = train(Config().replace(**{"train.strategy": "ipm", "train.replicas": 4}))
 """
-from pipeline.config import (AugmentConfig, AverageConfig, ClusterConfig, Config, DataConfig,
-                             ModelConfig, TrainConfig)
+from pipeline import _moved
+from pipeline.core.config import (AugmentConfig, AverageConfig, ClusterConfig, Config, DataConfig,
+                                  ModelConfig, TrainConfig)
+
+_moved.install()  # the module paths from before the packages (pipeline/_moved.py)
 
 
 def train(config, client=None, **kwargs):
-    """Run training; see pipeline.training.train."""
-    from pipeline.training import train as _train
+    """Run training; see pipeline.training.loop.train."""
+    from pipeline.training.loop import train as _train
     return _train(config, client=client, **kwargs)
 
 
 def load_model(out):
-    """The trained model of a run directory; see pipeline.evaluation.load_model."""
-    from pipeline.evaluation import load_model as _load_model
+    """The trained model of a run directory; see pipeline.training.evaluate.load_model."""
+    from pipeline.training.evaluate import load_model as _load_model
     return _load_model(out)
 
 

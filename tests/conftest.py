@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cifar import write_synthetic
+from pipeline.data.cifar import write_synthetic
 
 TINY_TRAIN, TINY_TEST, TINY_SEED = 500, 100, 0  # 100 images per batch file; ~2 MB on disk
 

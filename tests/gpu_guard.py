@@ -13,10 +13,10 @@ import pytest
 def require_cuda() -> None:
     """Call at module level: skips the module (or raises under PIPELINE_REQUIRE_GPU=1)."""
     try:
-        from pipeline.compat import cuda_status
+        from pipeline.backends.chainer.compat import cuda_status
         reason = cuda_status(check_device=True)
     except Exception as exc:  # pragma: no cover - compat itself broken
-        reason = f"pipeline.compat failed: {exc}"
+        reason = f"pipeline.backends.chainer.compat failed: {exc}"
     if reason is None:
         return
     if os.environ.get("PIPELINE_REQUIRE_GPU") == "1":

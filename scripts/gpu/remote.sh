@@ -21,7 +21,7 @@ probe() {
   "$PY" - <<'PY'
 import sys, numpy, cupy
 print("python", sys.version.split()[0], "numpy", numpy.__version__, "cupy", cupy.__version__)
-from pipeline import compat
+from pipeline.backends.chainer import compat
 reason = compat.cuda_status(check_device=True)
 print(reason or compat.cuda_summary())
 print("chainer import notices:", compat.import_notices)

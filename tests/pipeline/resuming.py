@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.training import train
+from pipeline.training.loop import train
 
 
 class Stop(Exception):

@@ -15,10 +15,12 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from pipeline import Config, assignments, watchdog
-from pipeline.config import ClusterConfig
-from pipeline.assignments import Lost, due, track
-from pipeline.training import train
+from pipeline import Config
+from pipeline.cluster import assignments
+from pipeline.cluster import watchdog
+from pipeline.core.config import ClusterConfig
+from pipeline.cluster.assignments import Lost, due, track
+from pipeline.training.loop import train
 
 RUN, DATA = "-abcd1234", "-feed0000"
 IMAGES = ("images" + DATA, 4, 0, 0, 0)  # a dataset block: another token than the run's

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from pipeline import Config
-from pipeline.errors import UsageError
-from pipeline.strategies.asynchronous import InFlight, allowed, apply, fixed_order, read_order
-from pipeline.training import train
+from pipeline.core.errors import UsageError
+from pipeline.training.strategies.asynchronous import InFlight, allowed, apply, fixed_order, read_order
+from pipeline.training.loop import train
 from tests.pipeline.resuming import whole_and_resumed
 
 SMALL = "synthetic:512:128"

@@ -12,8 +12,8 @@ from distributed import Client, LocalCluster, Scheduler, SpecCluster, Worker, ge
 from distributed.utils import key_split
 
 import augment
-from pipeline.augment_graph import AugmentTask, augment_array, augment_chunk, augment_rng, cpu_resources
-from pipeline.rng import rng_for
+from pipeline.data.augment import AugmentTask, augment_array, augment_chunk, augment_rng, cpu_resources
+from pipeline.core.rng import rng_for
 
 SEED, EPOCH, CHUNK = 3, 2, 64
 POLICY = augment.get_policy("cifar-cutout")

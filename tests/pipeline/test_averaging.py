@@ -1,4 +1,4 @@
-"""Tests for pipeline.averaging: exact typed means against NumPy, trees, weights, outer step."""
+"""Tests for pipeline.averaging.exact: exact typed means against NumPy, trees, weights, outer step."""
 import pickle
 
 import numpy as np
@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline import averaging
-from pipeline.averaging import Partial, combine, finalize, leaf, outer_step
-from pipeline.reduction import reduce_local
+from pipeline.averaging import exact as averaging
+from pipeline.averaging.exact import Partial, combine, finalize, leaf, outer_step
+from pipeline.averaging.reduction import reduce_local
 
 DTYPES = (np.float16, np.float32, np.float64)
 

@@ -9,12 +9,15 @@ import numpy as np
 import pytest
 from distributed import Client, LocalCluster
 
-from pipeline import averaging, averaging_algorithms, scaling, shards
-from pipeline.averaging_algorithms import ALGORITHMS, Context, base
-from pipeline.config import AverageConfig
-from pipeline.placement import place
-from pipeline.reduce_order import build, evaluate, frontier, ident, span
-from pipeline.reduction import reduce_local
+from pipeline.averaging import exact as averaging
+from pipeline.averaging import algorithms as averaging_algorithms
+from pipeline.averaging import cost as scaling
+from pipeline.averaging import slices as shards
+from pipeline.averaging.algorithms import ALGORITHMS, Context, base
+from pipeline.core.config import AverageConfig
+from pipeline.averaging.placement import place
+from pipeline.averaging.order import build, evaluate, frontier, ident, span
+from pipeline.averaging.reduction import reduce_local
 
 TOKEN = "0a1b2c3d"
 
@@ -260,7 +263,7 @@ def test_training_on_hosts_gives_the_weights_of_the_tree_on_one_host(process_cli
     """ipm with DiLoCo's outer step: the mean on replica 0's worker (reduce), the outer step
     there, the new parameters sent to every host (broadcast), the first round's parameters
     scattered the same way."""
-    from pipeline.training import train
+    from pipeline.training.loop import train
     cfg = _train_config(**{"train.strategy": "ipm", "average.mix_every": "2",
                            "average.outer_lr": 0.8, "average.outer_momentum": 0.5})
     reference = train(cfg, client=process_client, log=lambda m: None)
@@ -284,7 +287,7 @@ def test_every_averaging_strategy_on_hosts_gives_the_weights_of_one_host(
     """Each strategy's averages through the seam: gradient's mean and broadcast of the update,
     mixture's mid-run model and final allreduce, ipm's packed optimizer state (``prepare``) and
     its broadcast after every checkpoint's scatter."""
-    from pipeline.training import train
+    from pipeline.training.loop import train
     cfg = _train_config(**{"train.strategy": strategy, "average.mix_every": "2", **changes})
     if cfg.checkpoint_every:
         cfg = cfg.replace(out=str(tmp_path / "one"))

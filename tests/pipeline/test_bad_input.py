@@ -3,7 +3,7 @@ no outputs.
 
 The data engineer's tests (test_data.py, test_cli_data.py) check each damaged file against the
 loader and `inspect`; here the same damage goes through the whole `train` command, which must
-refuse it before it writes anything. Most cases run in process through `pipeline.cli.main`
+refuse it before it writes anything. Most cases run in process through `pipeline.cli.parser.main`
 (against the in-process cluster, `--scheduler inproc://...`); a few run as a real subprocess to
 prove the exit status and the absence of a traceback. docs/reliability.md lists every case.
 """
@@ -21,8 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import cifar, data, files
-from pipeline.cli import main
+from pipeline.data import cifar
+from pipeline.data import datasets as data
+from pipeline.core import files
+from pipeline.cli.parser import main
 from tests.pipeline.clusters import REPO, free_port
 
 GOOD = ["--data", "synthetic:64:16", "--model", "small-cnn", "--strategy", "ipm",
@@ -301,9 +303,9 @@ def test_out_holding_a_run_is_not_overwritten(capsys, run_copy, scheduler):
 
 
 def test_gpu_without_a_gpu_is_refused_before_a_cluster_starts(capsys, tmp_path, monkeypatch):
-    import pipeline.cluster
+    import pipeline.cluster.connection
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU for an embedded cluster, even on a GPU host
-    monkeypatch.setattr(pipeline.cluster, "connect", _no_cluster)
+    monkeypatch.setattr(pipeline.cluster.connection, "connect", _no_cluster)
     line = _train(capsys, *GOOD, "--device", "gpu", "--workers", "1", out=tmp_path / "out")
     assert "--device gpu: this machine has no GPU for the local cluster" in line
     assert "waited" not in line and "dask worker" not in line  # no advice for another cluster
@@ -314,8 +316,8 @@ def _no_cluster(*args, **kwargs):
 
 
 def test_bad_data_is_refused_before_a_cluster_starts(capsys, tmp_path, monkeypatch):
-    import pipeline.cluster
-    monkeypatch.setattr(pipeline.cluster, "connect", _no_cluster)
+    import pipeline.cluster.connection
+    monkeypatch.setattr(pipeline.cluster.connection, "connect", _no_cluster)
     line = _train(capsys, *GOOD, "--data", str(tmp_path / "nowhere"), out=tmp_path / "out")
     assert "nowhere: no such file or directory" in line
 

@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from pipeline import checkpoint
-from pipeline.checkpoint import HostState
-from pipeline.errors import ResumeError
+from pipeline.outputs import checkpoint
+from pipeline.outputs.checkpoint import HostState
+from pipeline.core.errors import ResumeError
 
 
 def _state(r):

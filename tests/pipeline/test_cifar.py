@@ -1,4 +1,4 @@
-"""Tests for pipeline.cifar: official formats written and read, the restricted unpickler, synthetic data."""
+"""Tests for pipeline.data.cifar: official formats written and read, the restricted unpickler, synthetic data."""
 from __future__ import annotations
 
 import copyreg
@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline import cifar
-from pipeline.errors import DataError
+from pipeline.data import cifar
+from pipeline.core.errors import DataError
 from tests.conftest import TINY_TEST, TINY_TRAIN
 
 OFFICIAL_GLOBALS = {"numpy.core.multiarray _reconstruct", "numpy ndarray", "numpy dtype"}

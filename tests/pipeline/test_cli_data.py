@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline import cifar, data
-from pipeline.cli import main
+from pipeline.data import cifar
+from pipeline.data import datasets as data
+from pipeline.cli.parser import main
 from tests.conftest import TINY_TEST, TINY_TRAIN
 
 REPO = Path(__file__).resolve().parents[2]

@@ -2,7 +2,7 @@
 run always has an output directory, resumes count time and extend runs, the CLI explains itself,
 and the outputs load and read back.
 
-Most runs go through `pipeline.cli.main` in process against the in-process cluster
+Most runs go through `pipeline.cli.parser.main` in process against the in-process cluster
 (`--scheduler inproc://...`), so no cluster starts per test.
 """
 from __future__ import annotations
@@ -20,8 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline import Config, hooks
-from pipeline.cli import build_parser, main
+from pipeline import Config
+from pipeline.outputs import hooks
+from pipeline.cli.parser import build_parser, main
 from tests.pipeline.clusters import REPO
 
 # 256 images, K=2 x batch 8: 16 steps per epoch, H=4: 4 rounds per epoch.
@@ -91,7 +92,7 @@ def _line(r: int, loss: float, acc: float, epoch: int = 0) -> dict:
 
 
 def _watch(per_epoch=39, rounds=4, steps=10):
-    from pipeline.schedule import plan_rounds
+    from pipeline.core.schedule import plan_rounds
     logged = []
     watch = hooks.ChanceWatch()
     cfg = Config().replace(**{"train.lr": 0.05})
@@ -130,8 +131,8 @@ def test_a_run_that_learns_or_has_just_started_gives_no_warning():
 
 def test_a_run_stopped_before_its_first_checkpoint_can_be_resumed(tmp_path, scheduler,
                                                                   dask_client, capsys):
-    from pipeline.commands import config_from_args
-    from pipeline.training import train
+    from pipeline.cli.commands import config_from_args
+    from pipeline.training.loop import train
     whole = tmp_path / "whole"
     assert main(["train", *ARGS, "--epochs", "1", *scheduler, "--out", str(whole)]) == 0
 
@@ -176,10 +177,10 @@ def test_resume_of_a_finished_run_says_so_and_starts_nothing(tmp_path, two_epoch
                                                              capsys):
     import shutil
 
-    import pipeline.cluster
+    import pipeline.cluster.connection
     run = Path(shutil.copytree(two_epochs, tmp_path / "run"))
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    monkeypatch.setattr(pipeline.cluster, "connect", _no_cluster)
+    monkeypatch.setattr(pipeline.cluster.connection, "connect", _no_cluster)
     capsys.readouterr()
     assert main(["train", "--resume", str(run)]) == 0
     out, err = capsys.readouterr()
@@ -262,7 +263,7 @@ def test_the_readme_way_to_load_a_model_works_in_a_fresh_interpreter(two_epochs)
     text = (REPO / "README.md").read_text()
     snippet = re.search(r"```python\n(from pipeline import load_model\n.*?)```", text,
                         re.S).group(1)
-    assert "import chainer\n" not in snippet.replace("from pipeline.compat import chainer", "")
+    assert "import chainer\n" not in snippet.replace("from pipeline.backends.chainer.compat import chainer", "")
     snippet = snippet.replace('"runs/ipm"', repr(str(two_epochs)))
     check = ("\nimport numpy as np\nx = np.zeros((2, 3, 32, 32), np.float32)\n"
              "with chainer.using_config('train', False):\n    print(model(x).shape)\n")
@@ -283,7 +284,7 @@ def test_evaluate_run_reads_model_and_data_from_the_run(two_epochs, capsys):
 
 def test_load_model_of_an_unfinished_run_is_one_line(tmp_path):
     from pipeline import load_model
-    from pipeline.errors import DataError
+    from pipeline.core.errors import DataError
     (tmp_path / "config.json").write_text(Config().to_json())
     with pytest.raises(DataError, match="has no model.npz: the run has not finished"):
         load_model(tmp_path)
@@ -295,7 +296,7 @@ def test_load_model_of_an_unfinished_run_is_one_line(tmp_path):
 def test_dashboard_web_errors_go_to_a_file_not_the_terminal(tmp_path, capfd):
     import logging
 
-    from pipeline import live
+    from pipeline.outputs import live
     path = tmp_path / "run" / "dashboard.log"
     import distributed  # noqa: F401  (configures these loggers)
     before = {n: logging.getLogger(n).handlers[:] for n in live.DASHBOARD_LOGGERS}
@@ -390,7 +391,7 @@ def test_csv_and_tensorboard_logs_hold_every_round(tmp_path, scheduler):
 
 
 def test_curves_show_loss_and_accuracy_name_the_data_and_mark_chance():
-    from pipeline.plots import curves_figure
+    from pipeline.outputs.plots import curves_figure
     history = [{"epoch_float": 0.5 * (i + 1), "seconds": 2.0 * (i + 1), "train_loss": 2.3 - i,
                 "train_acc": 0.1 + 0.1 * i, "test_loss": 2.2 - i, "test_acc": 0.2}
                for i in range(2)]

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from pipeline.cli import main
+from pipeline.cli.parser import main
 
 
 @pytest.mark.slow
@@ -32,8 +32,8 @@ def test_train_then_evaluate(tmp_path, capsys):
 
 
 def test_evaluate_with_weights_of_another_model_is_one_line(tmp_path, capsys):
-    from pipeline.compat import serializers
-    from pipeline.models import build_model
+    from pipeline.backends.chainer.compat import serializers
+    from pipeline.backends.chainer.models import build_model
     path = tmp_path / "m.npz"
     serializers.save_npz(str(path), build_model("small-cnn"))
     rc = main(["evaluate", "--model", "resnet20", "--weights", str(path), "--data",

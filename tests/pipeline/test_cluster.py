@@ -1,4 +1,4 @@
-"""Tests for pipeline.cluster: embedded and external clusters, resources, fail-fast errors and TLS."""
+"""Tests for pipeline.cluster.connection: embedded and external clusters, resources, fail-fast errors and TLS."""
 from __future__ import annotations
 
 import pickle
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline import cluster
-from pipeline.config import ClusterConfig
-from pipeline.errors import ClusterError
+from pipeline.cluster import connection as cluster
+from pipeline.core.config import ClusterConfig
+from pipeline.core.errors import ClusterError
 from tests.pipeline.clusters import free_port, make_tls, subprocess_cluster
 
 
@@ -135,7 +135,7 @@ def test_local_cluster_sized_logged_and_closed_cleanly(capfd):
 
 def _quiet_on_close(dask_worker) -> bool:
     import logging
-    from pipeline.worker_setup import ClosingHeartbeatFilter
+    from pipeline.cluster.worker_setup import ClosingHeartbeatFilter
     log = logging.getLogger("distributed.worker")
     return any(isinstance(f, ClosingHeartbeatFilter) and dask_worker in f._workers
                for f in log.filters)

@@ -17,7 +17,7 @@ import types
 import numpy as np
 import pytest
 
-from pipeline import compat
+from pipeline.backends.chainer import compat
 
 # Chainer modules our models, optimizers, tasks and serializers run through on a CUDA device.
 ON_OUR_PATH = [
@@ -137,7 +137,7 @@ def test_pkg_resources_stand_in_honours_version_specifiers():
     """Where setuptools has no pkg_resources, the stand-in Chainer keeps must not say yes to all."""
     code = (
         "import sys; sys.modules['pkg_resources'] = None\n"  # import pkg_resources -> ImportError
-        "from pipeline import compat\n"
+        "from pipeline.backends.chainer import compat\n"
         "import chainer.testing.helper as h\n"
         "pr = h.pkg_resources\n"
         "assert pr.__name__ == 'pkg_resources' and not hasattr(pr, '__file__'), pr\n"

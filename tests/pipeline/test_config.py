@@ -4,7 +4,7 @@ import pickle
 
 import pytest
 
-from pipeline.config import Config
+from pipeline.core.config import Config
 
 BAD = [
     ({"train.replicas": 0}, "train.replicas"),

@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pipeline import cpu_kernels
-from pipeline.compat import F, chainer, gradient_check
-from pipeline.cpu_kernels import functions as K
-from pipeline.models import MODELS, build_model
+from pipeline.backends.chainer import cpu_kernels
+from pipeline.backends.chainer.compat import F, chainer, gradient_check
+from pipeline.backends.chainer.cpu_kernels import functions as K
+from pipeline.backends.chainer.models import MODELS, build_model
+from pipeline.data.readers import Shard
 
 EXAMPLES = settings(max_examples=60, deadline=None, derandomize=True, database=None)
 
@@ -279,8 +280,8 @@ def test_training_with_ours_matches_chainer_float32(name):
 # ---- the switch from the command line to the task ------------------------------------------
 
 def test_cli_flag_reaches_the_config_and_bad_values_are_one_line(capsys, tmp_path):
-    from pipeline.cli import build_parser, main
-    from pipeline.commands import config_from_args
+    from pipeline.cli.parser import build_parser, main
+    from pipeline.cli.commands import config_from_args
     args = build_parser().parse_args(["train", "--cpu-kernels", "chainer"])
     assert config_from_args(args).model.cpu_kernels == "chainer"
     assert config_from_args(build_parser().parse_args(["train"])).model.cpu_kernels == "ours"
@@ -292,8 +293,8 @@ def test_cli_flag_reaches_the_config_and_bad_values_are_one_line(capsys, tmp_pat
 
 @pytest.mark.parametrize("kernels", ["ours", "chainer"])
 def test_train_and_evaluate_tasks_use_the_kernels_the_spec_names(kernels, monkeypatch):
-    from pipeline import tasks
-    from pipeline.cifar import synthetic_batch
+    from pipeline.training import tasks
+    from pipeline.data.cifar import synthetic_batch
     calls = []
     forward = K.Convolution2D.forward_cpu
     monkeypatch.setattr(K.Convolution2D, "forward_cpu",
@@ -303,7 +304,7 @@ def test_train_and_evaluate_tasks_use_the_kernels_the_spec_names(kernels, monkey
     calls.clear()
     spec = tasks.StepSpec("small-cnn", 10, "sgd", 0.9, 0.0, (0.01,), 8, "steps", 0, 0, 0,
                           cpu_kernels=kernels)
-    tasks.train(params, None, tasks.Shard(images, labels), spec)
+    tasks.train(params, None, Shard(images, labels), spec)
     trained = len(calls)
     tasks.evaluate(params, images, labels, tasks.EvalSpec("small-cnn", 10, cpu_kernels=kernels))
     evaluated = len(calls) - trained
@@ -344,7 +345,7 @@ def test_batch_normalization_check_backward():
 
 
 def test_batch_normalization_link_dispatch_and_statistics():
-    from pipeline.compat import L
+    from pipeline.backends.chainer.compat import L
     x = _rng(2).standard_normal((4, 3, 5, 5)).astype(np.float32)
     ours, theirs = cpu_kernels.BatchNormalization(3), L.BatchNormalization(3)
     with chainer.using_config("train", True):

@@ -7,9 +7,11 @@ import time
 import distributed
 import pytest
 
-from pipeline import Config, cluster, live
-from pipeline.config import ClusterConfig
-from pipeline.training import train as train_run
+from pipeline import Config
+from pipeline.cluster import connection as cluster
+from pipeline.outputs import live
+from pipeline.core.config import ClusterConfig
+from pipeline.training.loop import train as train_run
 from tests.pipeline.clusters import ARTIFACTS, browser_skip_reason, open_dashboard
 
 STAGES = {"load", "augment", "train", "average", "evaluate"}

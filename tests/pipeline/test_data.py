@@ -1,4 +1,4 @@
-"""Tests for pipeline.data: the load- graph, its keys, reads per file, validation errors and downloads."""
+"""Tests for pipeline.data.datasets: the load- graph, its keys, reads per file, validation errors and downloads."""
 from __future__ import annotations
 
 import functools
@@ -18,9 +18,11 @@ import numpy as np
 import pytest
 from dask.utils import key_split
 
-from pipeline import cifar, data, files
-from pipeline.config import DataConfig
-from pipeline.errors import DataError
+from pipeline.data import cifar
+from pipeline.data import datasets as data
+from pipeline.core import files
+from pipeline.core.config import DataConfig
+from pipeline.core.errors import DataError
 from tests.conftest import TINY_TEST, TINY_TRAIN
 
 
@@ -285,7 +287,7 @@ BAD = [
         {b"label_names": [b"x"] * 9})) and str(d), r"batches.meta: 9 class names in label_names"),
     ("malicious pickle", lambda d, t: (d / "data_batch_3").write_bytes(pickle.dumps(
         cifar.SyntheticChunk, protocol=2)) and str(d),
-     r"data_batch_3: refused pickle global pipeline.cifar.SyntheticChunk"),
+     r"data_batch_3: refused pickle global pipeline.data.cifar.SyntheticChunk"),
     ("plain file, not an archive", lambda d, t: str(d / "batches.meta"),
      r"batches.meta: corrupt, truncated or not a tar archive"),
     ("truncated archive", lambda d, t: _cut(_tar_of(t, _official(d)), 0.6) or _tar_of(t),

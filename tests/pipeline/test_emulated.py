@@ -1,4 +1,4 @@
-"""Emulated hosts (pipeline.emulated): links capped by tbf, nothing left behind after a run, a
+"""Emulated hosts (pipeline.cluster.emulated): links capped by tbf, nothing left behind after a run, a
 failed run or a killed owner; ipm trained across three emulated hosts gives the weights of a
 one-worker run, byte for byte. Needs root and iproute2; elsewhere skipped with one line, except
 under CI (.ci/run installs iproute2 and runs as root), where a missing piece fails."""
@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from pipeline import emulated
+from pipeline.cluster import emulated
 from tests.pipeline.clusters import REPO
 
 pytestmark = [pytest.mark.cluster]

@@ -19,14 +19,16 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import Config, rundir, tasks
-from pipeline.cli import build_parser
-from pipeline.commands import config_from_args
-from pipeline.compat import serializers
-from pipeline.errors import ClusterError, DivergenceError
-from pipeline.models import build_model
-from pipeline.state import get_state
-from pipeline.training import train
+from pipeline import Config
+from pipeline.outputs import fs as rundir
+from pipeline.training import tasks
+from pipeline.cli.parser import build_parser
+from pipeline.cli.commands import config_from_args
+from pipeline.backends.chainer.compat import serializers
+from pipeline.core.errors import ClusterError, DivergenceError
+from pipeline.backends.chainer.models import build_model
+from pipeline.backends.chainer.state import get_state
+from pipeline.training.loop import train
 from tests.pipeline.clusters import subprocess_cluster
 from tests.pipeline.clusters import train_cli as _cli
 
@@ -376,8 +378,8 @@ def test_anchors_between_checkpoints_change_no_bit(dask_client, reference, chang
 
 
 def test_resume_reads_fields_added_since_a_checkpoint_at_their_defaults():
-    from pipeline import resume
-    from pipeline.errors import ResumeError
+    from pipeline.outputs import resume
+    from pipeline.core.errors import ResumeError
     now = _config().to_dict()
     old = {k: v for k, v in now.items() if k != "anchor_every"}
     old["train"] = {k: v for k, v in old["train"].items() if k != "lr_decay"}

@@ -16,8 +16,12 @@ require_cuda()
 
 import cupy  # noqa: E402
 
-from pipeline import models, rng, state, tasks  # noqa: E402
-from pipeline.cifar import synthetic_batch  # noqa: E402
+from pipeline.backends.chainer import models
+from pipeline.core import rng
+from pipeline.backends.chainer import state
+from pipeline.training import tasks  # noqa: E402
+from pipeline.data.cifar import synthetic_batch  # noqa: E402
+from pipeline.data.readers import Shard
 
 pytestmark = pytest.mark.gpu
 GPU = "@cupy:0"
@@ -61,7 +65,7 @@ def _host_only(values: dict):
 
 def _shard(n=32, seed=0):
     images, labels = synthetic_batch(seed, "train", 0, n)
-    return tasks.Shard(images, labels)
+    return Shard(images, labels)
 
 
 # BatchNorm over a batch of 16 amplifies rounding differences from step to step: one backward
@@ -100,7 +104,7 @@ def test_adam_weight_decay_and_carried_state_on_gpu_match_cpu(model):
 
 def test_averaged_optimizer_state_on_gpu():
     """optimizer_state "average": ipm packs the state under ``opt/`` keys, averages, unpacks."""
-    from pipeline.strategies.ipm import pack, unpack
+    from pipeline.training.strategies.ipm import pack, unpack
     model = "cifar10-2015"
     params, shard = tasks.init_params(model, 10, seed=0), _shard()
     spec = dict(optimizer="adam", lrs=(1e-3,) * 2)

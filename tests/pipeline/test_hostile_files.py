@@ -24,9 +24,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline import cifar, data, npz
-from pipeline.cli import main
-from pipeline.errors import DataError
+from pipeline.data import cifar
+from pipeline.data import datasets as data
+from pipeline.core import npz
+from pipeline.cli.parser import main
+from pipeline.core.errors import DataError
 from tests.pipeline.clusters import REPO
 
 try:  # the name NumPy itself pickles arrays with
@@ -68,7 +70,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory) -> Path:
     """A good small-cnn model.npz, as training writes it."""
-    from pipeline import tasks
+    from pipeline.training import tasks
     path = tmp_path_factory.mktemp("weights") / "model.npz"
     path.write_bytes(npz.to_bytes(tasks.init_params("small-cnn", 10, 0), compress=True))
     return path
@@ -76,7 +78,7 @@ def weights(tmp_path_factory) -> Path:
 
 def _object_array_npz(path: Path, marker: Path) -> Path:
     """Every entry of small-cnn, each an object array whose element runs the payload."""
-    from pipeline import tasks
+    from pipeline.training import tasks
     names = tasks.init_params("small-cnn", 10, 0)
     np.savez(path, **{k: np.array([_touch(marker)], dtype=object) for k in names})
     return path
@@ -92,8 +94,8 @@ def test_the_payloads_are_live_for_numpy_but_not_through_compat(tmp_path):
     ``load_npz`` calls; the ``serializers.load_npz`` that compat hands out refuses them."""
     import pickle as pickle_module
 
-    from pipeline.compat import serializers
-    from pipeline.models import build_model
+    from pipeline.backends.chainer.compat import serializers
+    from pipeline.backends.chainer.models import build_model
     live = tmp_path / "live"
     with np.load(_object_array_npz(tmp_path / "o.npz", live), allow_pickle=True) as f:
         f["conv1/W"]

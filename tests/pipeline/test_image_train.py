@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.cli import main
-from pipeline.config import Config
-from pipeline.training import train
+from pipeline.cli.parser import main
+from pipeline.core.config import Config
+from pipeline.training.loop import train
 from tests.pipeline.images import png_header_only, write_folder, write_list, write_split_folder
 from tests.pipeline.test_bad_input import _train, scheduler  # noqa: F401 (fixture)
 

@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline import data, image_readers, imagefolder
-from pipeline.config import DataConfig
-from pipeline.errors import DataError
+from pipeline.data import datasets as data
+from pipeline.data import images as image_readers
+from pipeline.data import imagefolder
+from pipeline.core.config import DataConfig
+from pipeline.core.errors import DataError
 from tests.pipeline.images import png16, write_folder, write_list, write_split_folder
 
 

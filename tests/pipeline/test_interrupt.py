@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import interrupt
-from pipeline.cli import build_parser
-from pipeline.commands import config_from_args
-from pipeline.compat import serializers
-from pipeline.errors import Interrupted
-from pipeline.models import build_model
-from pipeline.state import get_state
-from pipeline.training import train
+from pipeline.core import interrupt
+from pipeline.cli.parser import build_parser
+from pipeline.cli.commands import config_from_args
+from pipeline.backends.chainer.compat import serializers
+from pipeline.core.errors import Interrupted
+from pipeline.backends.chainer.models import build_model
+from pipeline.backends.chainer.state import get_state
+from pipeline.training.loop import train
 from tests.pipeline.clusters import train_cli as _cli
 
 # 256 images, K=3 x batch 8, H=1: 20 rounds of ~0.1 s in 2 epochs; checkpoints at rounds 9, 19.

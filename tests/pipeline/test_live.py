@@ -13,8 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline import Config, live
-from pipeline.training import train
+from pipeline import Config
+from pipeline.outputs import live
+from pipeline.training.loop import train
 from tests.pipeline.clusters import REPO
 
 
@@ -103,7 +104,7 @@ def test_live_plot_updates_one_output_in_place_in_a_kernel(tmp_path, monkeypatch
                                                                    os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = _run_notebook([
-        "from pipeline import live\n"
+        "from pipeline.outputs import live\n"
         f"history = {HISTORY!r}\n"
         "plot = live.LivePlot('demo')\n"
         "for line in history:\n"

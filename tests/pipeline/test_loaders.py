@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline import cli, graph, keys
-from pipeline.config import Config
-from pipeline.training import train
+from pipeline.cli import parser as cli
+from pipeline.training import graph
+from pipeline.core import keys
+from pipeline.core.config import Config
+from pipeline.training.loop import train
 from tests.pipeline.images import write_folder
 
 
@@ -30,7 +32,7 @@ class _Spy:
         pass
 
     def close(self):
-        from pipeline.cluster import worker_resources
+        from pipeline.cluster.connection import worker_resources
         self.resources = worker_resources(self.client)
         self.stages: dict[str, set] = {}
         for rec in self.client.get_task_stream():
@@ -168,7 +170,7 @@ class _KillTrainer(_Spy):
     def __call__(self, line):
         import os
         import signal
-        from pipeline.cluster import worker_resources
+        from pipeline.cluster.connection import worker_resources
         if line["round"] != 0:
             return
         roles = worker_resources(self.client)
@@ -198,8 +200,9 @@ def test_a_replay_without_training_workers(monkeypatch, device):
     """CPU runs go on on the workers left (as they would have started); GPU runs stop."""
     from types import SimpleNamespace
 
-    from pipeline import cluster, training
-    from pipeline.errors import ClusterError
+    from pipeline.cluster import connection as cluster
+    from pipeline.training import loop as training
+    from pipeline.core.errors import ClusterError
 
     def missing(client, name, timeout, wait=False):
         assert wait  # an embedded cluster's nanny restarts a lost worker: wait for it

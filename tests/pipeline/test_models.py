@@ -4,9 +4,9 @@ import pickle
 import numpy as np
 import pytest
 
-from pipeline.compat import F, chainer, serializers
-from pipeline.models import MODELS, build_model, count_parameters
-from pipeline.state import get_state, set_state
+from pipeline.backends.chainer.compat import F, chainer, serializers
+from pipeline.backends.chainer.models import MODELS, build_model, count_parameters
+from pipeline.backends.chainer.state import get_state, set_state
 
 gradient_check = chainer.gradient_check
 RNG = np.random.default_rng(0)

@@ -8,7 +8,7 @@ import pytest
 from matplotlib.figure import Figure
 
 import augment
-from pipeline.preview import augmentation_preview, image_grid
+from pipeline.outputs.preview import augmentation_preview, image_grid
 
 
 @pytest.fixture

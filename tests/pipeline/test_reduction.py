@@ -1,4 +1,4 @@
-"""Tests for pipeline.reduction: the tree of average- tasks on an in-process cluster."""
+"""Tests for pipeline.averaging.reduction: the tree of average- tasks on an in-process cluster."""
 import pickle
 from functools import partial
 
@@ -7,9 +7,9 @@ import pytest
 from dask.utils import key_split
 from distributed import Client, LocalCluster
 
-from pipeline.averaging import combine, finalize, leaf
-from pipeline.averaging import combine_finalize
-from pipeline.reduction import _node, _root_fn, reduce_local, tree_plan, tree_reduce
+from pipeline.averaging.exact import combine, finalize, leaf
+from pipeline.averaging.exact import combine_finalize
+from pipeline.averaging.reduction import _node, _root_fn, reduce_local, tree_plan, tree_reduce
 
 TOKEN = "0a1b2c3d"
 

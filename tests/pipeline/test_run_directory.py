@@ -16,12 +16,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline import checkpoint, cifar, npz, outputs, rundir
-from pipeline.checkpoint import HostState
-from pipeline.cli import build_parser, main
-from pipeline.commands import config_from_args
-from pipeline.config import ClusterConfig
-from pipeline.errors import ResumeError
+from pipeline.outputs import checkpoint
+from pipeline.data import cifar
+from pipeline.core import npz
+from pipeline.outputs import run_dir as outputs
+from pipeline.outputs import fs as rundir
+from pipeline.outputs.checkpoint import HostState
+from pipeline.cli.parser import build_parser, main
+from pipeline.cli.commands import config_from_args
+from pipeline.core.config import ClusterConfig
+from pipeline.core.errors import ResumeError
 
 GOOD = ["--data", "synthetic:64:16", "--model", "small-cnn", "--strategy", "ipm",
         "--replicas", "2", "--batch-size", "8", "--mix-every", "2", "--epochs", "0.5",
@@ -104,7 +108,7 @@ def test_an_empty_directory_is_claimed_and_marked(tmp_path, scheduler):
 
 
 def test_a_failed_overwrite_gives_the_old_run_back(run_copy, dask_client):
-    from pipeline.training import train
+    from pipeline.training.loop import train
 
     class Stop(Exception):
         pass
@@ -296,7 +300,7 @@ def test_a_full_disk_is_one_line_naming_the_path_and_never_a_replay(tmp_path, ca
 
 
 def test_memory_error_is_one_line(monkeypatch, capsys):
-    from pipeline import data
+    from pipeline.data import datasets as data
 
     def too_big(*args, **kwargs):
         raise MemoryError
@@ -392,7 +396,7 @@ def test_resume_of_a_directory_without_our_marker(run_copy, capsys):
 
 
 def test_json_outputs_never_hold_nan(tmp_path, capsys):
-    from pipeline import tasks
+    from pipeline.training import tasks
     params = tasks.init_params("small-cnn", 10, 0)
     path = tmp_path / "nan.npz"
     path.write_bytes(npz.to_bytes({k: np.full_like(v, np.nan) for k, v in params.items()}))
@@ -423,7 +427,8 @@ def test_cifar100_given_as_cifar10_is_recorded_as_what_it_is(tmp_path, scheduler
 def test_the_demo_touches_the_network_only_when_asked(monkeypatch, tmp_path):
     import socket
 
-    from pipeline import commands, data
+    from pipeline.cli import commands
+    from pipeline.data import datasets as data
 
     def no_network(*args, **kwargs):
         raise AssertionError("the demo probed the network")

@@ -1,4 +1,4 @@
-"""Tests for pipeline.scaling: the formulas, seed 001's allreduce figures, speedup limits."""
+"""Tests for pipeline.averaging.cost: the formulas, seed 001's allreduce figures, speedup limits."""
 import dataclasses
 import math
 import pickle
@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline import scaling
-from pipeline.scaling import (HUNDRED_GBPS, TEN_GBE, Link, LocalCosts, Workload, comm_time,
-                              efficiency, ring_allreduce_time, round_time, speedup,
-                              tree_allreduce_time, tree_widths)
+from pipeline.averaging import cost as scaling
+from pipeline.averaging.cost import (HUNDRED_GBPS, TEN_GBE, Link, LocalCosts, Workload, comm_time,
+                                     efficiency, ring_allreduce_time, round_time, speedup,
+                                     tree_allreduce_time, tree_widths)
 
 RESNET50 = Workload(compute_s_per_sample=1 / 367, batch_size=32, model_bytes=102_228_384)
 NET = Link(bandwidth=1e9, latency=0.0)
@@ -39,7 +39,7 @@ def test_ring_matches_seed001_formula_without_local_terms():
 
 
 def test_tree_widths_follow_the_graph_plan():
-    from pipeline.reduction import tree_plan
+    from pipeline.averaging.reduction import tree_plan
     for p in range(1, 40):
         for f in (2, 3, 4, 8):
             plan = tree_plan(p, f)  # level l's width is the number of groups below it

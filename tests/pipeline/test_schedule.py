@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from pipeline.errors import UsageError
-from pipeline.schedule import (epoch_permutation, learning_rate, plan_rounds, shard_positions,
-                               steps_per_epoch)
+from pipeline.core.errors import UsageError
+from pipeline.core.schedule import (epoch_permutation, learning_rate, plan_rounds, shard_positions,
+                                    steps_per_epoch)
 
 MIX = {"single": "never", "gradient": "every", "mixture": "last", "ipm": "every"}
 
@@ -73,7 +73,7 @@ def test_cosine_decay_starts_at_the_warmed_up_peak_and_ends_at_zero():
 
 def test_the_strategies_train_with_the_decayed_rates():
     from pipeline import Config
-    from pipeline.strategies.base import Context
+    from pipeline.training.strategies.base import Context
     cfg = Config().replace(**{"train.epochs": 2.0, "train.lr": 0.1, "train.lr_decay": "cosine",
                               "train.warmup_epochs": 0.0, "train.lr_scaling": "none"})
     ctx = Context(cfg, 1, 1000, 50, 10, "cpu")

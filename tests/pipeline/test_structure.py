@@ -5,22 +5,96 @@ import sys
 
 import pytest
 
-from pipeline import keys, recovery, strategies
-from pipeline.config import STRATEGIES
-from pipeline.errors import ClusterError
-from pipeline.telemetry import StageClock
+from pipeline.core import keys
+from pipeline.training import recovery
+from pipeline.training import strategies
+from pipeline.core.config import STRATEGIES
+from pipeline.core.errors import ClusterError
+from pipeline.training.telemetry import StageClock
 from tests.pipeline.clusters import REPO
 
 # Modules that must import neither dask nor a framework (pure array code, plans, decisions).
-PURE = ["augment", "pipeline.keys", "pipeline.schedule", "pipeline.averaging", "pipeline.rng",
-        "pipeline.config", "pipeline.checkpoint", "pipeline.scaling", "pipeline.backend",
-        "pipeline.tasks", "pipeline.telemetry", "pipeline.recovery", "pipeline.outputs",
-        "pipeline.threads", "pipeline.strategies", "pipeline.strategies.base",
-        "pipeline.strategies.single", "pipeline.strategies.gradient",
-        "pipeline.strategies.mixture", "pipeline.strategies.ipm",
-        "pipeline.strategies.asynchronous", "pipeline.files", "pipeline.npz", "pipeline.rundir",
-        "pipeline.resume", "pipeline.watchdog", "pipeline.reduce_order", "pipeline.shards",
-        "pipeline.placement"]
+PURE = ["augment", "pipeline.core.config", "pipeline.core.errors", "pipeline.core.rng",
+        "pipeline.core.keys", "pipeline.core.schedule", "pipeline.core.threads",
+        "pipeline.core.interrupt", "pipeline.core.files", "pipeline.core.npz", "pipeline.backends",
+        "pipeline.cluster", "pipeline.cluster.watchdog", "pipeline.cluster.assignments",
+        "pipeline.data", "pipeline.data.readers", "pipeline.data.imagefolder",
+        "pipeline.averaging", "pipeline.averaging.exact", "pipeline.averaging.order",
+        "pipeline.averaging.slices", "pipeline.averaging.placement", "pipeline.averaging.cost",
+        "pipeline.outputs", "pipeline.outputs.checkpoint", "pipeline.outputs.run_dir",
+        "pipeline.outputs.fs", "pipeline.outputs.resume", "pipeline.training",
+        "pipeline.training.tasks", "pipeline.training.telemetry", "pipeline.training.recovery",
+        "pipeline.training.strategies", "pipeline.training.strategies.base",
+        "pipeline.training.strategies.single", "pipeline.training.strategies.gradient",
+        "pipeline.training.strategies.mixture", "pipeline.training.strategies.ipm",
+        "pipeline.training.strategies.asynchronous"]
+
+# The packages from the bottom up: a module imports only from its own package and those below.
+# core < backends < cluster < data < averaging, outputs < training < cli (docs/architecture.md).
+LAYERS = {"core": 0, "backends": 1, "cluster": 2, "data": 3, "averaging": 4, "outputs": 4,
+          "training": 5, "cli": 6}
+
+
+def _imports(path):
+    """Every ``pipeline.*`` module a file imports, at the top or inside a function."""
+    import ast
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "pipeline":
+                yield from (f"pipeline.{a.name}" for a in node.names)
+            elif node.module.startswith("pipeline."):
+                yield node.module
+        elif isinstance(node, ast.Import):
+            yield from (a.name for a in node.names if a.name.startswith("pipeline."))
+
+
+def _package(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def test_every_package_imports_only_downwards():
+    files = sorted((REPO / "pipeline").rglob("*.py"))
+    packaged = [f for f in files if f.parent != REPO / "pipeline"]
+    assert {f.relative_to(REPO / "pipeline").parts[0] for f in packaged} == set(LAYERS)
+    upward = []
+    for f in packaged:
+        own = f.relative_to(REPO / "pipeline").parts[0]
+        for target in _imports(f):
+            other = _package(target)
+            assert other is not None, f"{f}: imports {target}, which is in no package"
+            if other != own and LAYERS[other] >= LAYERS[own]:
+                upward.append(f"{f.relative_to(REPO)} -> {target}")
+    assert upward == []
+    # augment/ is pure array code under everything: it imports nothing of the pipeline
+    assert not [t for f in (REPO / "augment").rglob("*.py") for t in _imports(f)]
+
+
+def test_old_module_paths_are_the_new_modules_with_a_warning():
+    code = ("import warnings\n"
+            "warnings.simplefilter('always')\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    import pipeline.config, pipeline.core.config\n"
+            "    from pipeline.strategies.ipm import IPM\n"
+            "    from pipeline.cifar import write_synthetic\n"
+            "assert pipeline.config is pipeline.core.config\n"
+            "assert pipeline.config.__spec__.name == 'pipeline.core.config'\n"
+            "assert IPM.__module__ == 'pipeline.training.strategies.ipm'\n"
+            "assert write_synthetic.__module__.startswith('pipeline.data.cifar')\n"
+            "print(sorted({str(w.message).split()[0] for w in seen "
+            "if w.category is DeprecationWarning}))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=str(REPO), capture_output=True,
+                         text=True, check=True).stdout.strip()
+    assert out == ("['pipeline.cifar', 'pipeline.config', 'pipeline.strategies', "
+                   "'pipeline.strategies.ipm']")
+
+
+def test_the_old_emulated_path_still_runs_as_a_command():
+    run = subprocess.run([sys.executable, "-W", "always", "-m", "pipeline.emulated", "clean"],
+                         cwd=str(REPO), capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2  # its own usage line: the module ran as __main__
+    assert "usage: python -m pipeline.cluster.emulated cleanup" in run.stderr
+    assert "pipeline.emulated moved to pipeline.cluster.emulated" in run.stderr
 
 
 def test_pure_modules_import_neither_dask_nor_chainer():
@@ -104,9 +178,10 @@ def test_recovery_knows_distributed_losses():
 
 
 def test_task_functions_pickle():
-    from pipeline import augment_graph, tasks
-    from pipeline.averaging_algorithms import base, tree
-    from pipeline.strategies import asynchronous, ipm
+    from pipeline.data import augment as augment_graph
+    from pipeline.training import tasks
+    from pipeline.averaging.algorithms import base, tree
+    from pipeline.training.strategies import asynchronous, ipm
     for fn in (tasks.train, tasks.update, tasks.evaluate, augment_graph.augment, ipm.average_outer,
                ipm.pack, tree._leaf, base.take_payload, base.local_sum, asynchronous.apply,
                asynchronous.apply_gradient):

@@ -11,13 +11,17 @@ import copy
 import numpy as np
 import pytest
 
-from pipeline import augment_graph, averaging, npz, tasks
-from pipeline.compat import serializers
-from pipeline.strategies import asynchronous, ipm
-from pipeline.rng import rng_for
-from pipeline.models import build_model
-from pipeline.state import (get_state, load_npz, make_optimizer, set_optimizer_state,
-                            setup_optimizer)
+from pipeline.data import augment as augment_graph
+from pipeline.averaging import exact as averaging
+from pipeline.core import npz
+from pipeline.training import tasks
+from pipeline.backends.chainer.compat import serializers
+from pipeline.training.strategies import asynchronous, ipm
+from pipeline.core.rng import rng_for
+from pipeline.backends.chainer.models import build_model
+from pipeline.backends.chainer.state import (get_state, load_npz, make_optimizer, set_optimizer_state,
+                                             setup_optimizer)
+from pipeline.data.readers import Shard
 
 MODEL, CLASSES = "small-cnn", 10
 
@@ -59,9 +63,9 @@ def _spec(optimizer="momentum", mode="steps", steps=2) -> tasks.StepSpec:
                           seed=0, round=1, replica=0)
 
 
-def _shard(n=8) -> tasks.Shard:
+def _shard(n=8) -> Shard:
     rng = rng_for(0, "test-inputs")
-    return tasks.Shard(rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8),
+    return Shard(rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8),
                        rng.integers(0, CLASSES, n).astype(np.int32))
 
 
@@ -95,8 +99,8 @@ def test_ipm_packing_of_averaged_optimizer_state_leaves_its_inputs_untouched(war
     _call_untouched(ipm.unpack, packed)
     # where the averaging algorithms pack a train result: a tree's leaf, a shard's cut, a
     # host's local sum
-    from pipeline.averaging_algorithms import base, tree
-    from pipeline.reduce_order import build
+    from pipeline.averaging.algorithms import base, tree
+    from pipeline.averaging.order import build
     _call_untouched(tree._leaf, (params, opt, {}), ipm.pack)
     _call_untouched(base.take_payload, ipm.pack, (params, opt, {}), 3, 1)
     _call_untouched(base.local_sum, build(2, 2), build(2, 2),

@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 
 from pipeline import Config
-from pipeline.compat import serializers
-from pipeline.errors import ResumeError, UsageError
-from pipeline.models import build_model
-from pipeline.state import get_state
-from pipeline.training import train
+from pipeline.backends.chainer.compat import serializers
+from pipeline.core.errors import ResumeError, UsageError
+from pipeline.backends.chainer.models import build_model
+from pipeline.backends.chainer.state import get_state
+from pipeline.training.loop import train
 from tests.pipeline.resuming import whole_and_resumed
 
 SMALL = "synthetic:512:128"
@@ -98,7 +98,7 @@ def test_outputs(tmp_path, dask_client):
 
 
 def test_recipe_fills_auto_fields_for_ipm_k_gt_1_only():
-    from pipeline import strategies
+    from pipeline.training import strategies
     ipm = strategies.get("ipm").resolve(_config(**{"train.strategy": "ipm", "train.replicas": 4,
                                                    "train.optimizer": "adam", "train.epochs": 20}))
     assert (ipm.train.lr_scaling, ipm.train.warmup_epochs, ipm.average.optimizer_state,
@@ -136,7 +136,7 @@ def test_resume_refuses_a_different_run(tmp_path, dask_client):
 
 
 def test_divergence_names_round_and_replica(tmp_path, dask_client):
-    from pipeline.errors import DivergenceError
+    from pipeline.core.errors import DivergenceError
     cfg = _config(tmp_path, **{"train.strategy": "ipm", "train.replicas": 2, "train.lr": 1e6,
                                "train.optimizer": "sgd", "average.mix_every": "2"})
     with pytest.raises(DivergenceError, match=r"round \d+ .*replica \d"):

@@ -13,9 +13,10 @@ import time
 
 import pytest
 
-from pipeline import Config, watchdog
-from pipeline.training import train
-from pipeline.watchdog import Running, judge, thresholds
+from pipeline import Config
+from pipeline.cluster import watchdog
+from pipeline.training.loop import train
+from pipeline.cluster.watchdog import Running, judge, thresholds
 from tests.pipeline.clusters import subprocess_cluster
 
 
@@ -144,8 +145,8 @@ def test_a_task_no_worker_may_run_ends_the_attempt_as_lost_work(dask_client):
     """A train- task held to the rank of a worker that is gone (here: a rank no worker ever
     had) waits in distributed's "no-worker" state for good; past max(stall_min_s,
     connect_timeout) the watchdog ends the attempt with NoWorker, which recovery replays."""
-    from pipeline import recovery
-    from pipeline.config import ClusterConfig
+    from pipeline.training import recovery
+    from pipeline.core.config import ClusterConfig
     held = dask_client.submit(sum, [1, 2], key=("train-nowork", 0, 1), pure=False,
                               resources={"CPU": 1, "RANK-9": 1})
     free = dask_client.submit(sum, [3, 4], key=("train-nowork", 0, 0), pure=False)

@@ -10,7 +10,7 @@ import threading
 import distributed
 import pytest
 
-from pipeline.worker_setup import HEARTBEAT_FAILED, ClosingHeartbeatFilter, dask_setup
+from pipeline.cluster.worker_setup import HEARTBEAT_FAILED, ClosingHeartbeatFilter, dask_setup
 
 
 class _Records(logging.Handler):

@@ -1,0 +1,117 @@
+"""Averaging algorithms: how the replicas' mean is computed and handed back to them, as Dask graphs.
+
+One module per algorithm (``tree``, ``sharded``, ``hierarchical``), each with three functions
+of a :class:`~pipeline.averaging.algorithms.base.Context` (client, keys, placement):
+
+- ``allreduce(ctx, payloads) -> [future per replica]``: the mean, where each replica will read it;
+- ``reduce(ctx, payloads) -> future``: the mean on replica 0's worker (outer step, gradient
+  update, mixture's evaluation);
+- ``broadcast(ctx, value) -> [future per replica]``: a value on replica 0's worker, to all.
+
+They differ in where bytes go, never in the result: all add the same float64 numbers in the
+same order (``pipeline.averaging.order``) and divide once, so the averaged state is identical bit
+for bit whatever the algorithm, the shard count and the placement. :func:`plan` picks one for
+the cluster it sees (``auto``: the tree on one host, else ``pipeline.averaging.cost``'s fastest) and
+places the replicas (``pipeline.averaging.placement``). A new algorithm is one module plus one line here.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from pipeline.averaging import cost as scaling
+from pipeline.averaging.algorithms import hierarchical, sharded, tree
+from pipeline.averaging.algorithms.base import Context
+from pipeline.core.config import AVERAGE_ALGORITHMS
+from pipeline.averaging.placement import Placement, place
+
+ALGORITHMS = {"tree": tree, "sharded": sharded, "hierarchical": hierarchical}
+assert AVERAGE_ALGORITHMS == ("auto", *ALGORITHMS)
+
+
+class Plan(NamedTuple):
+    """The algorithm of a run and where its replicas live."""
+    algorithm: str
+    placement: Placement | None  # None: one host and the tree, nothing pinned
+    shards: int
+    description: str  # one line for the log
+
+
+def get(name: str):
+    """The module of algorithm ``name``."""
+    if name not in ALGORITHMS:
+        raise ValueError(f"average.algorithm must be one of {AVERAGE_ALGORITHMS}, got {name!r}")
+    return ALGORITHMS[name]
+
+
+def workers_by_host(client, resources: dict | None = None) -> dict[str, list[str]]:
+    """``{host: [worker address, ...]}`` of the workers that offer ``resources``."""
+    from distributed.comm import get_address_host
+    out: dict[str, list[str]] = {}
+    for address, info in client.scheduler_info(n_workers=-1)["workers"].items():
+        have = info.get("resources") or {}
+        if all(have.get(name, 0) >= amount for name, amount in (resources or {}).items()):
+            out.setdefault(get_address_host(address), []).append(address)
+    return out
+
+
+def predict(name: str, placement: Placement, state_bytes: float, cfg) -> tuple[float, int]:
+    """``pipeline.averaging.cost``'s ``(seconds, shards)`` for one all-reduce with algorithm ``name``
+    on links of ``cfg.link_gbps`` and this machine's local costs; with ``cfg.shards`` 0 the
+    fastest shard count."""
+    link = scaling.Link(bandwidth=cfg.link_gbps * 1e9 / 8)
+    p, hosts, units = placement.n_replicas, placement.n_hosts, len(placement.units())
+    if name == "tree":
+        return scaling.comm_time(state_bytes, p, link, scaling.THIS_MACHINE, algorithm=name,
+                                 fan_in=cfg.fan_in, hosts=hosts, broadcast="binomial"), units
+    if cfg.shards:
+        return scaling.comm_time(state_bytes, p, link, scaling.THIS_MACHINE, algorithm=name,
+                                 fan_in=cfg.fan_in, hosts=hosts, shards=cfg.shards), cfg.shards
+    shards, seconds = scaling.best_shards(state_bytes, p, link, scaling.THIS_MACHINE,
+                                          algorithm=name, hosts=hosts, fan_in=cfg.fan_in)
+    return seconds, shards
+
+
+def choose(placement: Placement, state_bytes: float | None, cfg) -> tuple[str, int, str]:
+    """``(algorithm, shards, why)`` for ``auto``: the tree on one host; across hosts the
+    fastest by the cost model (``sharded`` with a shard per host when the state size is not
+    known yet)."""
+    if placement.n_hosts == 1:
+        return "tree", 1, "auto: one host"
+    if not state_bytes:
+        return "sharded", cfg.shards or placement.n_hosts, f"auto: {placement.n_hosts} hosts"
+    times = {name: predict(name, placement, state_bytes, cfg) for name in ALGORITHMS}
+    best = min(times, key=lambda n: times[n][0])
+    others = ", ".join(f"{n} {t:.3g} s" for n, (t, _) in times.items() if n != best)
+    return best, times[best][1], (f"auto: predicted {times[best][0]:.3g} s per average vs "
+                                  f"{others} at {cfg.link_gbps:g} Gb/s")
+
+
+def plan(client, cfg, replicas: int, state_bytes: float | None = None,
+         resources: dict | None = None) -> Plan:
+    """Resolve ``cfg.algorithm`` (an ``AverageConfig``) for the cluster ``client`` sees now and
+    place ``replicas`` replicas on the workers offering ``resources``."""
+    hosts = workers_by_host(client, resources)
+    if not hosts:  # no worker yet: the tree, placed by Dask when they come
+        return Plan("tree", None, 1, "tree (no workers to place replicas on yet)")
+    placement = place(hosts, replicas)
+    if cfg.algorithm == "auto":
+        name, n_shards, why = choose(placement, state_bytes, cfg)
+    else:
+        name, n_shards, why = cfg.algorithm, cfg.shards or len(placement.units()), ""
+    get(name)
+    where = f"{replicas} replica(s) on {placement.n_hosts} host(s)"
+    if name == "tree" and placement.n_hosts == 1:
+        placement = None  # the tree as it always ran on one machine: Dask places everything
+    shards = f", {n_shards} shard(s)" if name != "tree" else ""
+    return Plan(name, placement, n_shards, f"{name}, {where}{shards}{f' ({why})' if why else ''}")
+
+
+def context(the_plan: Plan, client, token: str, coords: tuple, fan_in: int, replicas: int,
+            name: str = "average") -> Context:
+    """The Context an algorithm of ``the_plan`` builds one average in."""
+    return Context(client, name, token, coords, fan_in, the_plan.placement, the_plan.shards,
+                   replicas)
+
+
+__all__ = ["ALGORITHMS", "Context", "Plan", "choose", "context", "get", "plan", "predict",
+           "workers_by_host"]

@@ -1,0 +1,44 @@
+"""``tree``: the replicas' states added up a tree of ``average-`` tasks (fan-in ``fan_in``), the
+mean broadcast back. On one host every replica reads the root's result (Dask fetches it, as it
+always did); across hosts the tree's nodes run on their first replica's worker and the mean
+travels host to host by doubling (``base.binomial_broadcast``), one copy per host.
+
+The busiest link carries ``(f-1)`` states per level plus ``ceil(log2 H)`` copies: fine for
+small states, the bottleneck for large ones (``pipeline.averaging.cost``).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+
+from pipeline.averaging import exact as averaging
+from pipeline.averaging.algorithms.base import Context, binomial_broadcast
+from pipeline.averaging.reduction import tree_reduce
+
+
+def _leaf(payload, prepare: Callable | None = None):
+    return averaging.leaf(prepare(payload) if prepare is not None else payload, 1)
+
+
+def reduce(ctx: Context, payloads: Sequence):
+    """The mean as one future (the tree's root; on replica 0's worker when placed)."""
+    pl = ctx.placement
+    leaf = partial(_leaf, prepare=ctx.prepare) if ctx.prepare is not None else _leaf
+    return tree_reduce(ctx.client, payloads, averaging.combine, averaging.finalize,
+                       fan_in=ctx.fan_in, name=ctx.name, token=ctx.token,
+                       coords=ctx.coords, leaf=leaf,
+                       combine_finalize=averaging.combine_finalize,
+                       workers=pl.replica_worker if pl is not None else None)
+
+
+def broadcast(ctx: Context, value) -> list:
+    """Per-replica futures of a value on replica 0's worker."""
+    return binomial_broadcast(ctx, value)
+
+
+def allreduce(ctx: Context, payloads: Sequence) -> list:
+    """Per-replica futures of the mean."""
+    mean = reduce(ctx, payloads)
+    if ctx.placement is None:
+        return [mean] * len(payloads)
+    return broadcast(ctx, mean)

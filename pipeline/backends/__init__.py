@@ -1,0 +1,70 @@
+"""The framework seam: what a task asks of a deep-learning framework, and the registry of backends.
+
+Tasks (``pipeline.training.tasks``) speak only this interface, with host NumPy state dicts in and out and
+neutral device names (``"cpu"``, ``"gpu"``: the worker's one GPU). Chainer is the one backend
+today (``pipeline.backends.chainer.backend``); another framework is one module implementing ``Backend``
+plus its line in ``BACKENDS``.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+State = dict  # dict[str, np.ndarray], keyed by the framework's parameter paths ("conv1/W")
+
+DEVICES = ("cpu", "gpu")
+BACKENDS = {"chainer": "pipeline.backends.chainer.backend"}  # name -> module exposing BACKEND
+
+
+class StepStats(NamedTuple):
+    """What a run of local steps reports: summed loss, correct predictions, images, finiteness."""
+    loss_sum: float
+    correct: int
+    n: int
+    finite: bool
+
+
+class Backend(Protocol):
+    """Per-task operations on host state dicts; ``spec`` is a ``tasks.StepSpec``/``EvalSpec``."""
+
+    def init_params(self, model: str, n_classes: int, seed: int) -> State:
+        """The initial weights every replica starts from (drawn from the run's "init" stream)."""
+
+    def train_steps(self, params: State, opt_state: State | None, images: np.ndarray,
+                    labels: np.ndarray, spec: Any, rng: np.random.Generator
+                    ) -> tuple[State, State, StepStats]:
+        """``len(spec.lrs)`` optimizer steps of ``spec.batch_size`` images (uint8 NCHW) each;
+        ``opt_state`` None starts a fresh optimizer. Returns new params, optimizer state, stats."""
+
+    def gradient(self, params: State, images: np.ndarray, labels: np.ndarray, spec: Any,
+                 rng: np.random.Generator) -> tuple[State, StepStats]:
+        """The mean-loss gradient of every trainable parameter on the whole batch, plus the
+        persistent statistics (BatchNorm) as this forward pass updated them."""
+
+    def apply_gradient(self, params: State, opt_state: State | None, gradient: State,
+                       spec: Any) -> tuple[State, State]:
+        """One optimizer step with ``gradient``; its non-trainable float entries replace the
+        params' (BatchNorm statistics). Returns new params and optimizer state."""
+
+    def predict(self, params: State, images: np.ndarray, spec: Any) -> np.ndarray:
+        """(N, 3, H, W) uint8 -> (N, classes) float32 softmax probabilities."""
+
+
+def get_backend(name: str = "chainer") -> Backend:
+    """The backend registered as ``name`` (imported on first use, so pure callers stay light)."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {name!r}")
+    return importlib.import_module(BACKENDS[name]).BACKEND
+
+
+def check_device(device: str) -> str:
+    """A neutral device name, checked.
+
+    >>> check_device("gpu")
+    'gpu'
+    """
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    return device

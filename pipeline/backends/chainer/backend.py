@@ -1,0 +1,198 @@
+"""The Chainer backend: the task-side operations of ``pipeline.backends`` on Chainer Links and optimizers.
+
+The Link and the optimizer are rebuilt (or taken from the thread's cache and overwritten) inside
+each call; only host NumPy dicts go in and out (``pipeline.backends.chainer.state``). Neutral device names map to
+Chainer's: ``"cpu"`` -> ``"@numpy"``, ``"gpu"`` -> ``"@cupy:0"`` (a GPU worker sees one device).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+import augment
+from pipeline.backends import State, StepStats
+from pipeline.backends.chainer.compat import F, chainer
+from pipeline.backends.chainer.state import (cached_model, get_optimizer_state, get_state, make_optimizer,
+                                             param_keys, set_lr, set_optimizer_state, set_state, setup_optimizer)
+
+_CHAINER_DEVICE = {"cpu": "@numpy", "gpu": "@cupy:0"}
+_MALLOC_TUNED = False
+
+
+def chainer_device(device: str) -> str:
+    """Chainer's device spec for a neutral name (Chainer's own specs pass through).
+
+    >>> chainer_device("gpu"), chainer_device("@numpy")
+    ('@cupy:0', '@numpy')
+    """
+    return _CHAINER_DEVICE.get(device, device)
+
+
+def _keep_heap_for_training() -> None:
+    """Once per process: let glibc keep freed training temporaries instead of unmapping them.
+
+    Dask's nanny starts workers with ``MALLOC_TRIM_THRESHOLD_=65536``, which also pins glibc's
+    mmap threshold at 128 KiB, so every im2col buffer is a fresh mmap, page-faulted and zeroed
+    again each step: a bare small-cnn loop ran 378 img/s with that variable and 501 without it
+    here. Raising both thresholds restores it (618 img/s measured); a worker keeps up to 256 MiB
+    of freed heap for reuse.
+    """
+    global _MALLOC_TUNED
+    if _MALLOC_TUNED:
+        return
+    _MALLOC_TUNED = True
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (macOS, musl): nothing to tune
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # from <malloc.h>
+    libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
+    libc.mallopt(M_TRIM_THRESHOLD, 256 << 20)
+
+
+def _to_device(array, device: str):
+    device = chainer_device(device)
+    if device == "@numpy":
+        return array
+    return chainer.get_device(device).send(array)
+
+
+def _host(array) -> np.ndarray:
+    return np.asarray(chainer.backend.CpuDevice().send(array))
+
+
+def _inputs(images, labels, spec):
+    """uint8 images -> normalized float32 on the task's device (uint8 is what crossed the network)."""
+    x = augment.normalize(_to_device(images, spec.device), spec.mean, spec.std)
+    return x, _to_device(labels.astype(np.int32, copy=False), spec.device)
+
+
+def _mode(train: bool, kernels: str = "ours"):
+    """Chainer's train flag, which CPU kernels run (``pipeline.backends.chainer.cpu_kernels``: ours | chainer), and
+    no per-call type checks (inputs are ours and already checked).
+
+    Chainer checks the types and shapes of every FunctionNode's inputs on every call. Without it
+    a bare loop ran 1.04-1.07x faster at batch 100 and 1.44x for resnet20 at batch 512 on an H100
+    (benchmarks/gpu.py, ``type_check_off_gain``); results are the same bits either way.
+    """
+    stack = contextlib.ExitStack()
+    stack.enter_context(chainer.using_config("train", train))
+    stack.enter_context(chainer.using_config("type_check", False))
+    stack.enter_context(chainer.using_config("cpu_kernels", kernels))
+    return stack
+
+
+def _model(spec, params: State):
+    return set_state(cached_model(spec.model, spec.n_classes, chainer_device(spec.device)), params)
+
+
+def _optimizer(spec, model, opt_state: State | None):
+    optimizer = setup_optimizer(
+        make_optimizer(spec.optimizer, spec.lrs[0], spec.momentum, spec.weight_decay,
+                       (spec.beta1, spec.beta2), spec.eps), model)
+    if opt_state is not None:
+        set_optimizer_state(optimizer, opt_state)
+    return optimizer
+
+
+def _steps(model, optimizer, images, labels, spec, rng) -> tuple:
+    """The local steps of one round -> (loss sum, correct, n) on the host, with one device sync.
+
+    Loss and accuracy accumulate on the model's device and come back once at the end: a
+    ``float(loss)`` per step would block the host on the GPU every step and serialise kernel
+    launches with Python. A diverged replica runs its remaining steps on NaNs and is reported
+    non-finite (the driver stops the run), rather than stopping early after a per-step sync.
+    """
+    loss_sum = correct = None
+    n = 0
+    for step, lr in enumerate(spec.lrs):
+        lo = step * spec.batch_size
+        x, t = _inputs(images[lo:lo + spec.batch_size], labels[lo:lo + spec.batch_size], spec)
+        logits = model(x, rng=rng)
+        loss = F.softmax_cross_entropy(logits, t)
+        model.cleargrads()
+        loss.backward()
+        set_lr(optimizer, lr)
+        optimizer.update()
+        batch_loss = loss.array.astype(np.float64) * len(t)
+        batch_correct = (logits.array.argmax(axis=1) == t).sum()
+        loss_sum = batch_loss if loss_sum is None else loss_sum + batch_loss
+        correct = batch_correct if correct is None else correct + batch_correct
+        n += len(t)
+    if n == 0:
+        return 0.0, 0, 0
+    return float(loss_sum), int(correct), n  # the one sync (a no-op on NumPy)
+
+
+class ChainerBackend:
+    """``pipeline.backends.Backend`` on Chainer 7 (NumPy on CPU, CuPy on a GPU)."""
+
+    name = "chainer"
+
+    def init_params(self, model: str, n_classes: int, seed: int) -> State:
+        from pipeline.backends.chainer.models import build_model
+        return get_state(build_model(model, n_classes, seed=seed))
+
+    def train_steps(self, params, opt_state, images, labels, spec, rng):
+        _keep_heap_for_training()
+        with _mode(True, spec.cpu_kernels):
+            model = _model(spec, params)
+            optimizer = _optimizer(spec, model, opt_state)
+            loss_sum, correct, n = _steps(model, optimizer, images, labels, spec, rng)
+            return get_state(model), get_optimizer_state(optimizer), StepStats(
+                loss_sum, correct, n, bool(np.isfinite(loss_sum)))
+
+    def gradient(self, params, images, labels, spec, rng):
+        _keep_heap_for_training()
+        with _mode(True, spec.cpu_kernels):
+            model = _model(spec, params)
+            x, t = _inputs(images, labels, spec)
+            logits = model(x, rng=rng)
+            loss = F.softmax_cross_entropy(logits, t)
+            model.cleargrads()
+            loss.backward()
+            xp = chainer.backend.get_array_module(loss.array)
+            tally = xp.stack([loss.array.astype(np.float64) * len(t),
+                              (logits.array.argmax(axis=1) == t).sum().astype(np.float64)])
+            # BatchNorm statistics as updated by this forward pass, the gradients and the two
+            # metrics leave the device together (one transfer per dtype).
+            payload = get_state(model, extra={"/tally": tally, **{
+                path.lstrip("/"): param.grad for path, param in model.namedparams()}})
+            loss_sum, correct = (float(v) for v in payload.pop("/tally"))
+            return payload, StepStats(loss_sum, int(correct), len(t),
+                                      bool(np.isfinite(loss_sum)))
+
+    def apply_gradient(self, params, opt_state, gradient, spec):
+        model = _model(spec, params)
+        optimizer = _optimizer(spec, model, opt_state)
+        trainable = set(param_keys(model))
+        for path, param in model.namedparams():  # a copy: weight decay adds into the grad
+            param.grad = _to_device(np.array(gradient[path.lstrip("/")]), spec.device)
+        optimizer.update()
+        new_params = get_state(model)
+        for key, value in gradient.items():  # BatchNorm statistics: the gradient's
+            if key not in trainable and np.issubdtype(value.dtype, np.floating):
+                new_params[key] = value
+        return new_params, get_optimizer_state(optimizer)
+
+    def predict(self, params, images, spec):
+        with _mode(False, spec.cpu_kernels), chainer.no_backprop_mode():
+            model = _model(spec, params)
+
+            def proba(batch):
+                x = augment.normalize(batch, spec.mean, spec.std)
+                return F.softmax(model(x)).array
+
+            if len(images) == 0:
+                return np.zeros((0, spec.n_classes), np.float32)
+            device_images = _to_device(images, spec.device)  # one upload; one download below
+            parts = [augment.tta_average(proba, batch) if spec.tta else proba(batch)
+                     for batch in (device_images[lo:lo + spec.batch_size]
+                                   for lo in range(0, len(images), spec.batch_size))]
+            xp = chainer.backend.get_array_module(parts[0])
+            return np.asarray(_host(xp.concatenate(parts)), dtype=np.float32)
+
+
+BACKEND = ChainerBackend()

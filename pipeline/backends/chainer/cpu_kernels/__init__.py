@@ -1,0 +1,83 @@
+"""Fast CPU kernels for the layers our models use, chosen per array: ours on NumPy, Chainer's elsewhere.
+
+``Convolution2D`` and ``BatchNormalization`` (Chainer's Links, same parameters and paths) and
+the pooling functions below run the pure-NumPy FunctionNodes of ``cpu_kernels.functions`` when
+the input is a NumPy array and ``chainer.config.cpu_kernels`` is ``"ours"`` (the default), and
+Chainer's own functions on CuPy (and ChainerX/iDeep) arrays or when it is ``"chainer"``. The switch
+is a Chainer config entry, like Chainer's own ``use_cudnn``/``use_ideep``: a task sets it with
+``chainer.using_config("cpu_kernels", spec.cpu_kernels)``.
+
+>>> import numpy as np
+>>> x = np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4)
+>>> max_pooling_2d(x, 2).array[0, 0]
+array([[ 5.,  7.],
+       [13., 15.]], dtype=float32)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.backends.chainer.compat import F, L, chainer
+from pipeline.backends.chainer.cpu_kernels import functions
+
+def use_ours(x) -> bool:
+    """True for a NumPy input (array or Variable) while ``chainer.config.cpu_kernels`` is "ours"."""
+    array = x.array if isinstance(x, chainer.Variable) else x
+    return type(array) is np.ndarray and getattr(chainer.config, "cpu_kernels", "ours") == "ours"
+
+
+class Convolution2D(L.Convolution2D):
+    """``L.Convolution2D`` that runs our kernel on NumPy inputs (same parameters, same paths)."""
+
+    def forward(self, x):
+        if (not use_ours(x) or self.W.array is None or self.dilate != (1, 1) or self.groups != 1
+                or self.W.dtype != x.dtype or (self.b is not None and self.b.dtype != x.dtype)):
+            return super().forward(x)
+        return functions.convolution_2d(x, self.W, self.b, self.stride, self.pad)
+
+
+class BatchNormalization(L.BatchNormalization):
+    """``L.BatchNormalization`` that runs our kernel on 4-D NumPy inputs over axes (0, 2, 3).
+
+    Training mode uses batch statistics and updates ``avg_mean``/``avg_var`` as Chainer does;
+    inference without a graph uses them. Fine-tuning, recomputation, other axes and
+    inference with a graph go to Chainer's functions.
+    """
+
+    def forward(self, x, **kwargs):
+        if (kwargs or not use_ours(x) or x.ndim != 4 or self.axis is not None
+                or self.avg_mean is None or self.gamma is None or self.beta is None
+                or self.gamma.dtype != x.dtype or chainer.config.in_recomputing):
+            return super().forward(x, **kwargs)
+        if chainer.config.train:
+            return functions.batch_normalization(x, self.gamma, self.beta, self.eps,
+                                                 self.avg_mean, self.avg_var, self.decay)
+        if not chainer.config.enable_backprop:
+            return functions.fixed_batch_normalization(x, self.gamma, self.beta, self.avg_mean,
+                                                       self.avg_var, self.eps)
+        return super().forward(x)
+
+
+def max_pooling_2d(x, ksize, stride=None, pad=0, cover_all=True):
+    """``F.max_pooling_2d`` (no ``return_indices``)."""
+    if use_ours(x):
+        return functions.max_pooling_2d(x, ksize, stride, pad, cover_all)
+    return F.max_pooling_2d(x, ksize, stride, pad, cover_all)
+
+
+def average_pooling_2d(x, ksize, stride=None, pad=0):
+    """``F.average_pooling_2d``."""
+    if use_ours(x):
+        return functions.average_pooling_2d(x, ksize, stride, pad)
+    return F.average_pooling_2d(x, ksize, stride, pad)
+
+
+def spatial_pyramid_pooling_2d(x, pyramid_height: int, pooling: str = "max"):
+    """``F.spatial_pyramid_pooling_2d``."""
+    if use_ours(x):
+        return functions.spatial_pyramid_pooling_2d(x, pyramid_height, pooling)
+    return F.spatial_pyramid_pooling_2d(x, pyramid_height, pooling)
+
+
+__all__ = ["use_ours", "Convolution2D", "BatchNormalization", "max_pooling_2d",
+           "average_pooling_2d", "spatial_pyramid_pooling_2d"]

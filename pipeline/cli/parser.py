@@ -1,0 +1,107 @@
+"""The command line: argument parsing and the mapping of user errors to one line and exit status 2."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pipeline.core.errors import DivergenceError, Interrupted, UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's default prints usage; we print one line
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _add_synth(sub):
+    p = sub.add_parser("synth", help="write a synthetic dataset in the official CIFAR-10 python format")
+    p.add_argument("--out", required=True, help="directory to write cifar-10-batches-py/ into")
+    p.add_argument("--train", type=int, default=5000, help="training images (default 5000)")
+    p.add_argument("--test", type=int, default=1000, help="test images (default 1000)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tar", action="store_true", help="also pack cifar-10-python.tar.gz")
+    p.set_defaults(func=_run_synth)
+
+
+def _run_synth(args):
+    from pipeline.data.cifar import write_synthetic
+    path = write_synthetic(args.out, n_train=args.train, n_test=args.test, seed=args.seed,
+                           tar=args.tar)
+    print(path)
+
+
+def _add_inspect(sub):
+    p = sub.add_parser("inspect", help="print counts, shape and class histogram of a dataset as JSON")
+    p.add_argument("--data", required=True, help="synthetic[:N:M], a CIFAR directory or tarball, "
+                   "an image folder or a file list")
+    p.add_argument("--download", action="store_true", help="fetch the official archive if missing")
+    p.add_argument("--image-size", type=int, default=None, help="image folders/lists: pixels")
+    p.add_argument("--val-data", default=None, help="image folders/lists: the val split")
+    p.add_argument("--val-fraction", type=float, default=None, help="share held out for val")
+    p.add_argument("--image-root", default=None, help="file lists: where relative paths start")
+    p.set_defaults(func=_run_inspect)
+
+
+def _run_inspect(args):
+    import dataclasses
+    from pipeline.core.config import DataConfig
+    from pipeline.data.datasets import inspect_dataset
+    given = {"image_size": args.image_size, "val_source": args.val_data,
+             "val_fraction": args.val_fraction, "image_root": args.image_root}
+    cfg = dataclasses.replace(DataConfig(), **{k: v for k, v in given.items() if v is not None})
+    from pipeline.outputs.fs import dumps
+    print(dumps(inspect_dataset(args.data, download=args.download, cfg=cfg)))
+
+
+def _add_fetch(sub):
+    p = sub.add_parser("fetch", help="download an official CIFAR archive into the cache (MD5-checked)")
+    p.add_argument("--dataset", default="cifar10", choices=["cifar10", "cifar100"])
+    p.add_argument("--format", default="python", choices=["python", "binary"])
+    p.add_argument("--cache-dir", default=None)
+    p.set_defaults(func=_run_fetch)
+
+
+def _run_fetch(args):
+    from pipeline.data.datasets import fetch
+    print(fetch(args.dataset, fmt=args.format, cache_dir=args.cache_dir))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m pipeline",
+                     description="Data-parallel Chainer training on Dask task graphs.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for add in (_add_synth, _add_inspect, _add_fetch):
+        add(sub)
+    from pipeline.cli import commands  # train, evaluate, demo live with the training code
+    commands.add_subcommands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
+        result = args.func(args)
+        return int(result or 0)
+    except UsageError as exc:  # includes DataError, ClusterError, ResumeError
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # config validation names the field
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except DivergenceError as exc:  # not bad input: the run itself blew up
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+    except Interrupted as exc:  # Ctrl-C or SIGTERM: stopped at a round boundary, checkpoint written
+        print(str(exc), file=sys.stderr)
+        return exc.exit_status
+    except KeyboardInterrupt as exc:  # a second signal, or one outside a run: stopped at once
+        print("error: interrupted; a run stops cleanly at the next round boundary after one "
+              "Ctrl-C (or SIGTERM), a second one stops it at once", file=sys.stderr)
+        return getattr(exc, "exit_status", 130)
+    except MemoryError:  # never a traceback: what was asked does not fit in this machine
+        print("error: out of memory (the data, model or batch does not fit; nothing was saved "
+              "since the last checkpoint)", file=sys.stderr)
+        return 1

@@ -1,0 +1,488 @@
+"""Image folders and file lists: list and check the files, decode them to square uint8 NCHW arrays.
+
+Pure format code (no dask), the peer of ``pipeline.data.cifar``; ``pipeline.data.images`` maps
+:func:`scan_files` (``scan-`` tasks) and :func:`decode_chunk` (``decode-`` tasks) over chunks of
+files on the workers.
+
+Sources:
+
+* an image folder ``root/<class>/<image>`` (ImageNet / torchvision ``ImageFolder`` style; classes
+  are the sorted names of the subfolders, files may sit in nested folders of a class), optionally
+  split as ``root/train/<class>/...`` and ``root/val/<class>/...``;
+* a file list (Chainer's ``LabeledImageDataset``): lines ``path label``, the label an integer
+  ``0 <= label < K``, paths relative to a root directory (the list's own directory unless given);
+  blank lines and lines starting with ``#`` are skipped; a path may contain spaces (the label is
+  the last field).
+
+Every image becomes RGB: grayscale, bilevel, palette (transparency dropped), RGBA / LA (alpha
+dropped, as torchvision's loader does), CMYK and YCbCr through Pillow's conversion; 16-bit
+grayscale (``I;16``, ``I``) scaled from 0..65535 to 0..255 (Pillow reads 16-bit RGB PNGs as 8-bit
+RGB itself). The EXIF orientation of photos is applied. Only the first frame of an animation is
+used.
+
+Safety: a file is opened without following it into FIFOs or devices (``O_NONBLOCK``, then
+``fstat`` must say regular file), read with a size cap, and given to Pillow from memory with the
+formats restricted to plain raster ones (no EPS, which would run Ghostscript); the header's pixel
+count is checked against ``max_pixels`` before any pixel is decoded. Every problem is one line
+naming the file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import math
+import os
+import stat
+import struct
+from collections import Counter
+from typing import NamedTuple
+
+import numpy as np
+
+from pipeline.core.errors import DataError, one_line
+
+# Formats Pillow may open (its plugin names). EPS/PS (Ghostscript), PDF and other exotic plugins
+# are never tried, so a file named .jpg cannot reach them.
+FORMATS = ("JPEG", "PNG", "BMP", "GIF", "TIFF", "WEBP", "PPM")
+# Extensions an image file may have; any other non-hidden file inside a class folder is an error.
+EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm",
+              ".pbm", ".pnm")
+LIST_EXTENSIONS = (".txt", ".lst", ".list", ".tsv")  # a --data file with one of these is a file list
+MAX_FILE_BYTES = 1 << 28  # 256 MiB: larger image files are refused before they are read
+MAX_LIST_BYTES = 1 << 28  # a file list of ~5 M lines at most
+MAX_PIXELS = 1 << 26  # default cap on width x height (67 M pixels, e.g. 8192 x 8192)
+EVAL_CROP = 0.875  # fraction of the centred square kept for evaluation (torchvision's 224 / 256)
+_ORIENTATION = 0x0112  # the EXIF tag
+
+
+class ImageFile(NamedTuple):
+    """One image as listed: enough for any worker that sees the same path to read it."""
+    path: str
+    label: int
+    bytes: int  # file size when listed
+    mtime_ns: int  # modification time when listed
+
+
+class Listing(NamedTuple):
+    """The files of one split and the class names, before any file was opened."""
+    files: tuple  # ImageFile, in a fixed order (class, then path)
+    class_names: tuple  # class index -> name
+    where: str  # the folder or list it came from (for messages)
+
+
+class FileInfo(NamedTuple):
+    """What a scan found about one file: its header, or the one-line problem."""
+    width: int
+    height: int
+    format: str
+    mode: str
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeChunk:
+    """The input of one ``decode-`` task: files, and how to decode them."""
+    files: tuple  # ImageFile
+    size: int  # side of the square output (pixels)
+    crop: float = 1.0  # share of the centred square's side kept (1: all; EVAL_CROP for val)
+    max_pixels: int = MAX_PIXELS
+
+    @property
+    def n(self) -> int:
+        return len(self.files)
+
+
+# --------------------------------------------------------------------------------------------
+# Listing
+
+
+def _hidden(name: str) -> bool:
+    return name.startswith(".")
+
+
+def _listed(path: str, label: int) -> ImageFile:
+    """An ImageFile for ``path``; DataError unless it is a regular file (symlinks followed)."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise DataError(f"{path}: {_reason(exc)}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise DataError(f"{path}: not a regular file ({_kind(st.st_mode)})")
+    return ImageFile(path, label, st.st_size, st.st_mtime_ns)
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a plain file"
+
+
+def _reason(exc: BaseException) -> str:
+    return one_line(exc, kind=False, limit=200)
+
+
+def class_folders(root: str) -> list[str]:
+    """Sorted names of the non-hidden subfolders of ``root`` (the classes)."""
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except OSError as exc:
+        raise DataError(f"{root}: cannot list the directory ({_reason(exc)})") from None
+    return [e.name for e in entries if not _hidden(e.name) and e.is_dir()]
+
+
+def _class_files(folder: str, label: int) -> list[ImageFile]:
+    """Every image below ``folder`` (nested folders too, symlinked folders not followed)."""
+    found = []
+    for here, dirs, names in os.walk(folder, onerror=_walk_error):
+        dirs[:] = sorted(d for d in dirs if not _hidden(d))
+        for name in sorted(names):
+            if _hidden(name):
+                continue
+            path = os.path.join(here, name)
+            if not name.lower().endswith(EXTENSIONS):
+                raise DataError(f"{path}: not an image file (class folders hold only "
+                                f"{', '.join(EXTENSIONS)} files)")
+            found.append(_listed(path, label))
+    return found
+
+
+def _walk_error(exc: OSError) -> None:
+    raise DataError(f"{exc.filename}: cannot list the directory ({_reason(exc)})")
+
+
+def list_folder(root: str, class_names: tuple | None = None) -> Listing:
+    """The images of ``root/<class>/...``; ``class_names`` (a val split) must be a subset of
+    the given names and keeps their indices. DataError for no class, one class, an empty class."""
+    names = class_folders(root)
+    if class_names is None:
+        if len(names) < 2:
+            found = f"only {names[0]!r}" if names else "none"
+            raise DataError(f"{root}: an image folder needs at least 2 class subfolders "
+                            f"(root/<class>/<image>), found {found}")
+        class_names = tuple(names)
+    index = {name: i for i, name in enumerate(class_names)}
+    files = []
+    for name in names:
+        if name not in index:
+            raise DataError(f"{os.path.join(root, name)}: class {name!r} is not one of the "
+                            f"training classes ({', '.join(class_names)})")
+        found = _class_files(os.path.join(root, name), index[name])
+        if not found:
+            raise DataError(f"{os.path.join(root, name)}: empty class folder (no image files)")
+        files += found
+    if not files:
+        raise DataError(f"{root}: no class subfolders with images")
+    return Listing(tuple(files), tuple(class_names), root)
+
+
+def folder_splits(root: str) -> tuple[Listing, Listing | None]:
+    """``(train, val or None)`` of an image folder: ``train/`` and ``val/`` when present (val
+    optional), else the whole folder as the training set."""
+    train_dir, val_dir = os.path.join(root, "train"), os.path.join(root, "val")
+    if not os.path.isdir(train_dir):
+        return list_folder(root), None
+    train = list_folder(train_dir)
+    return train, (list_folder(val_dir, train.class_names) if os.path.isdir(val_dir) else None)
+
+
+def read_file_list(path: str, root: str | None = None, n_classes: int | None = None) -> Listing:
+    """A file list -> Listing. ``root``: where relative paths start (default: the list's folder).
+
+    ``n_classes`` (a val list) fixes the label range; otherwise it is the largest label + 1 and
+    every class in it must have an image. DataError naming ``LIST:LINE`` for a bad line, a
+    missing file or a label out of range.
+    """
+    text = _read_text(path)
+    root = os.path.dirname(os.path.abspath(path)) if root is None else root
+    files = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        where = f"{path}:{number}"
+        parts = line.rsplit(None, 1)
+        if len(parts) != 2 or not _is_int(parts[1]):
+            raise DataError(f"{where}: expected 'path label' with an integer label, got "
+                            f"{line[:80]!r}")
+        label = int(parts[1])
+        if label < 0 or (n_classes is not None and label >= n_classes):
+            limit = f"0..{n_classes - 1}" if n_classes else ">= 0"
+            raise DataError(f"{where}: label {label} is out of range (labels are {limit})")
+        image = os.path.join(root, parts[0])
+        try:
+            files.append(_listed(image, label))
+        except DataError as err:
+            raise DataError(f"{where}: {err}") from None
+    if not files:
+        raise DataError(f"{path}: the file list names no image")
+    return _labelled(tuple(files), path, n_classes)
+
+
+def _labelled(files: tuple, where: str, n_classes: int | None) -> Listing:
+    counts = np.bincount([f.label for f in files])
+    if n_classes is None:
+        n_classes = len(counts)
+        empty = np.flatnonzero(counts == 0)
+        if n_classes < 2:
+            raise DataError(f"{where}: a file list needs at least 2 classes (labels 0 and 1), "
+                            f"found only label {n_classes - 1}")
+        if len(empty):
+            raise DataError(f"{where}: label {n_classes - 1} is out of range: labels must be "
+                            f"0..K-1 with every class present, and {_ranges(empty)} have no image")
+    return Listing(files, tuple(str(i) for i in range(n_classes)), where)
+
+
+def _ranges(values) -> str:
+    """'class 3' or 'classes 2, 5..7'."""
+    values, runs = [int(v) for v in values], []
+    start = prev = values[0]
+    for v in values[1:] + [None]:
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        runs.append(str(start) if start == prev else f"{start}..{prev}")
+        if v is not None:
+            start = prev = v
+    return ("class " if len(values) == 1 else "classes ") + ", ".join(runs)
+
+
+def _is_int(text: str) -> bool:
+    return text.lstrip("+-").isdigit() and len(text) < 19
+
+
+def _read_text(path: str) -> str:
+    raw = read_capped(path, MAX_LIST_BYTES)
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not a UTF-8 text file list ({exc.reason} at byte "
+                        f"{exc.start})") from None
+
+
+def split_listing(listing: Listing, fraction: float, rng: np.random.Generator
+                  ) -> tuple[Listing, Listing]:
+    """A stratified random split: per class, ``round(fraction * n)`` images (at least one when the
+    class has two or more) go to the val split. The order inside each split stays the listing's.
+
+    >>> files = tuple(ImageFile(f"{c}/{i}.jpg", c, 1, 0) for c in range(2) for i in range(10))
+    >>> train, val = split_listing(Listing(files, ("a", "b"), "x"), 0.2, np.random.default_rng(0))
+    >>> len(train.files), len(val.files), sorted(f.label for f in val.files)
+    (16, 4, [0, 0, 1, 1])
+    """
+    labels = np.array([f.label for f in listing.files])
+    to_val = np.zeros(len(labels), bool)
+    for label in range(len(listing.class_names)):
+        members = np.flatnonzero(labels == label)
+        k = int(round(fraction * len(members)))
+        k = min(max(k, 1 if len(members) > 1 else 0), len(members) - 1)
+        to_val[rng.permutation(members)[:k]] = True
+    if not to_val.any():
+        raise DataError(f"{listing.where}: too few images for a val split of {fraction:g}")
+    pick = lambda mask: tuple(f for f, m in zip(listing.files, mask) if m)  # noqa: E731
+    return (listing._replace(files=pick(~to_val)), listing._replace(files=pick(to_val)))
+
+
+def fingerprint(files) -> str:
+    """A hash of paths, labels, sizes and mtimes: same fingerprint, same data."""
+    digest = hashlib.sha1()
+    for f in files:
+        digest.update(f"{f.path}\0{f.label}\0{f.bytes}\0{f.mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# Reading one file
+
+
+def read_capped(path: str, cap: int) -> bytes:
+    """All bytes of a regular file of at most ``cap`` bytes; DataError otherwise.
+
+    Opened non-blocking so a FIFO cannot hang the open, then checked with ``fstat``.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise DataError(f"{path}: {_reason(exc)}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise DataError(f"{path}: not a regular file ({_kind(st.st_mode)})")
+        if st.st_size > cap:
+            raise DataError(f"{path}: {st.st_size} bytes, more than the {cap >> 20} MiB an image "
+                            "file may have")
+        data = f.read(cap + 1)
+    if len(data) > cap:
+        raise DataError(f"{path}: grew past {cap >> 20} MiB while being read")
+    return data
+
+
+def _open(path: str, data: bytes, max_pixels: int):
+    """Pillow image of ``data`` (header only read), pixel count checked."""
+    from PIL import Image, UnidentifiedImageError
+    try:
+        image = Image.open(io.BytesIO(data), formats=FORMATS)
+    except UnidentifiedImageError:
+        raise DataError(f"{path}: not an image Pillow can read as {'/'.join(FORMATS)}") from None
+    except Image.DecompressionBombError as exc:
+        raise DataError(f"{path}: refused as a decompression bomb ({_reason(exc)})") from None
+    except (OSError, ValueError, SyntaxError, struct.error) as exc:
+        raise DataError(f"{path}: corrupt or truncated image header ({_reason(exc)})") from None
+    width, height = image.size
+    if width < 1 or height < 1:
+        raise DataError(f"{path}: empty image ({width}x{height})")
+    if width * height > max_pixels:
+        raise DataError(f"{path}: {width}x{height} = {width * height} pixels, more than the cap "
+                        f"of {max_pixels} (data.max_pixels)")
+    return image
+
+
+def _load(path: str, image) -> None:
+    """Decode the pixels (after any draft); a truncated or corrupt stream is a DataError."""
+    from PIL import Image
+    try:
+        image.load()
+    except Image.DecompressionBombError as exc:
+        raise DataError(f"{path}: refused as a decompression bomb ({_reason(exc)})") from None
+    except (OSError, ValueError, SyntaxError, IndexError, struct.error, EOFError,
+            ZeroDivisionError) as exc:
+        raise DataError(f"{path}: corrupt or truncated image ({_reason(exc)})") from None
+
+
+def to_rgb(image):
+    """Any Pillow mode -> an RGB image (see the module docstring for what each mode becomes)."""
+    from PIL import Image
+    if image.mode == "RGB":
+        return image
+    if image.mode.startswith("I"):  # 16-bit grayscale (I;16, I;16B, I from PNG): 0..65535
+        values = np.asarray(image).astype(np.int64)
+        image = Image.fromarray(np.clip((values + 128) // 257, 0, 255).astype(np.uint8), "L")
+    elif image.mode == "P" and "transparency" in image.info:
+        image = image.convert("RGBA")
+    elif image.mode == "La":
+        image = image.convert("LA")
+    return image.convert("RGB")
+
+
+def scan_file(f: ImageFile, max_pixels: int = MAX_PIXELS) -> FileInfo:
+    """Check one file the way decoding will read it: header, pixel cap, and every byte of the
+    compressed stream (JPEGs decoded at 1/8 scale, which still reads all of it)."""
+    try:
+        data = read_capped(f.path, MAX_FILE_BYTES)
+        image = _open(f.path, data, max_pixels)
+        info = (image.size[0], image.size[1], image.format or "?", image.mode)
+        if image.format == "JPEG":
+            image.draft(None, (1, 1))  # smallest DCT scale: fast, still the whole stream
+        _load(f.path, image)
+        return FileInfo(*info)
+    except DataError as err:
+        return FileInfo(0, 0, "", "", str(err))
+
+
+def scan_files(files: tuple, max_pixels: int = MAX_PIXELS) -> tuple:
+    """The ``scan-`` task: one :class:`FileInfo` per file, problems as values (never raises)."""
+    return tuple(scan_file(f, max_pixels) for f in files)
+
+
+def _box(width: int, height: int) -> tuple:
+    """The centred square of the image, as a float box."""
+    side = min(width, height)
+    x0, y0 = (width - side) / 2, (height - side) / 2
+    return (x0, y0, x0 + side, y0 + side)
+
+
+def decode_file(f: ImageFile, size: int, max_pixels: int = MAX_PIXELS) -> np.ndarray:
+    """One image -> (3, size, size) uint8: the centred square, resized (antialiased bilinear) to
+    ``size``. JPEGs are decoded at the smallest DCT scale that keeps at least ``size`` pixels
+    across the square (libjpeg's draft mode), several times cheaper than a full decode for
+    photos much larger than ``size`` (benchmarks/decode.py)."""
+    from PIL import Image
+    data = read_capped(f.path, MAX_FILE_BYTES)
+    image = _open(f.path, data, max_pixels)
+    orientation = _orientation(image)
+    width, height = image.size
+    if image.format == "JPEG":
+        scale = size / min(width, height)
+        image.draft("RGB" if image.mode == "RGB" else None,
+                    (math.ceil(width * scale), math.ceil(height * scale)))
+    _load(f.path, image)
+    try:
+        image = to_rgb(image)
+        image = image.resize((size, size), Image.BILINEAR, box=_box(*image.size),
+                             reducing_gap=3.0)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{f.path}: cannot convert {image.mode} to RGB ({_reason(exc)})") from None
+    if orientation in _TRANSPOSES:
+        image = image.transpose(_TRANSPOSES[orientation])
+    return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)
+
+
+def _orientation(image) -> int:
+    try:
+        return int(image.getexif().get(_ORIENTATION, 1))
+    except Exception:  # a damaged EXIF block: keep the image as stored
+        return 1
+
+
+def _transposes() -> dict:
+    from PIL import Image
+    T = Image.Transpose
+    return {2: T.FLIP_LEFT_RIGHT, 3: T.ROTATE_180, 4: T.FLIP_TOP_BOTTOM, 5: T.TRANSPOSE,
+            6: T.ROTATE_270, 7: T.TRANSVERSE, 8: T.ROTATE_90}
+
+
+_TRANSPOSES = _transposes()
+
+
+def decode_chunk(chunk: DecodeChunk) -> tuple[np.ndarray, np.ndarray]:
+    """The ``decode-`` task: ``(n, 3, size, size) uint8`` images and ``(n,) int32`` labels.
+
+    With ``crop < 1`` (evaluation) each image is decoded at ``size / crop`` and its centre kept
+    (`augment.center_crop`): torchvision's Resize + CenterCrop, one resampling.
+    """
+    import augment
+    outer = max(chunk.size, int(round(chunk.size / chunk.crop)))
+    images = np.empty((chunk.n, 3, outer, outer), np.uint8)
+    for i, f in enumerate(chunk.files):
+        images[i] = decode_file(f, outer, chunk.max_pixels)
+    if outer != chunk.size:
+        images = np.ascontiguousarray(augment.center_crop(images, chunk.size))
+    return images, np.array([f.label for f in chunk.files], np.int32).reshape(-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Reports
+
+
+def first_problems(files: tuple, infos: tuple) -> str | None:
+    """One line for the first bad file (and how many more there are), or None if all are good."""
+    bad = [info.error for info in infos if info.error]
+    if not bad:
+        return None
+    more = f" (and {len(bad) - 1} more bad file{'s' if len(bad) > 2 else ''})" if len(bad) > 1 \
+        else ""
+    return bad[0] + more
+
+
+def class_counts(listing: Listing) -> dict:
+    """{class name: images} of a split."""
+    counts = np.bincount([f.label for f in listing.files], minlength=len(listing.class_names))
+    return {name: int(c) for name, c in zip(listing.class_names, counts)}
+
+
+def summary(infos: tuple) -> dict:
+    """Image sizes seen, formats and modes of scanned files, for ``inspect`` (plain ints, strs)."""
+    widths = [i.width for i in infos]
+    heights = [i.height for i in infos]
+    sizes = Counter(f"{i.width}x{i.height}" for i in infos)
+    return {
+        "formats": dict(Counter(i.format for i in infos).most_common()),
+        "modes": dict(Counter(i.mode for i in infos).most_common()),
+        "sizes_seen": dict(sizes.most_common(10)),
+        "distinct_sizes": len(sizes),
+        "width_range": [min(widths), max(widths)] if widths else [],
+        "height_range": [min(heights), max(heights)] if heights else [],
+    }

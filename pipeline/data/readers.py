@@ -1,0 +1,45 @@
+"""The reader seam: what a dataset reader hands the graph builder, the registry entry type, and
+the ``Shard`` of data a replica trains on in one round.
+
+A reader turns a ``--data`` source into a :class:`Plan`: the chunks of each split (each with its
+image count ``n``), the class names, what the data is (``ident``, for the task tokens) and the
+task body that reads one chunk on a worker. ``pipeline.data.datasets`` tries the registered readers in
+order (synthetic, file list, image folder, CIFAR) and builds the same kind of graph from any of
+them, so CIFAR python, CIFAR binary, image folders and file lists are peers.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+
+class Plan(NamedTuple):
+    """Where every chunk comes from and what it holds, known before any task runs."""
+    train: tuple  # chunks (each with .n images) of the training split
+    test: tuple  # chunks of the test / val split
+    label_names: tuple  # class index -> name
+    class_counts_train: tuple  # training images per class
+    ident: tuple  # what the data is; the task tokens derive from it
+    source: str  # what was loaded, for messages and Dataset.source
+    read: Callable  # task body: chunk -> ((n, *image_shape) uint8, (n,) int32)
+    stage: str = "load"  # key prefix of the read tasks: "load" (CIFAR) or "decode" (images)
+    image_shape: tuple = (3, 32, 32)  # (C, H, W) of one image
+    info: dict | None = None  # extra fields for `inspect` (formats, sizes seen, ...)
+    stream: object = None  # image sources: what decoding the training split again each epoch
+    #                        needs (pipeline.data.images.Stream); None for in-memory sources
+
+
+class Shard(NamedTuple):
+    """One replica's data for one round: ``images`` (n, 3, 32, 32) uint8 (augmented),
+    ``labels`` (n,) int32."""
+    images: np.ndarray
+    labels: np.ndarray
+
+
+class Reader(NamedTuple):
+    """A registry entry: ``claims(source, cfg)`` says whether it reads ``source``;
+    ``plan(source, cfg, download, client)`` lists and checks it (DataError when bad)."""
+    name: str
+    claims: Callable
+    plan: Callable

@@ -1,0 +1,195 @@
+"""Run-output hooks: small objects the driver calls with each round's metrics line, beside
+metrics.jsonl: a CSV table, TensorBoard event files, and a watch for a run stuck at chance level.
+
+A hook is callable with the metrics dict of a round (the lines of ``metrics.jsonl``) and may have
+``start(info)`` (called once the run is set up, with a :class:`RunInfo`) and ``close()`` (called
+when the run ends, however it ends). Hooks run on the driver, never in a task.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import math
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+from pipeline.outputs import checkpoint
+
+_COLUMNS = ("round", "epoch", "epoch_float", "step", "train_loss", "train_acc", "test_loss",
+            "test_acc", "lr", "images", "seconds", "bytes_averaged")
+_STAGES = ("load", "decode", "augment", "train", "average", "update", "evaluate", "waiting")
+
+
+class RunInfo(NamedTuple):
+    """What a hook may want to know about the run it watches."""
+    client: object  # the distributed.Client the run uses
+    config: object  # pipeline.core.config.Config
+    out: Path | None  # the output directory, or None
+    rounds: list  # pipeline.core.schedule.Round for every round of the run
+    per_epoch: int  # steps per epoch
+    n_classes: int
+    dataset: str  # a short name of the data, for titles
+    history: list  # the metrics lines already written (a resumed run's earlier rounds)
+    log: Callable[[str], None]
+
+
+# ---------------------------------------------------------------------------------------------
+# CSV
+
+
+def csv_row(line: dict) -> list:
+    """A metrics line as a CSV row: the scalar columns, then seconds per stage ('' when absent).
+
+    >>> csv_row({"round": 0, "train_loss": 2.3, "stage_seconds": {"train": 1.5}})[:6]
+    [0, '', '', '', 2.3, '']
+    >>> len(csv_row({})) == len(csv_header())
+    True
+    """
+    stages = line.get("stage_seconds") or {}
+    return [line.get(c, "") for c in _COLUMNS] + [stages.get(s, "") for s in _STAGES]
+
+
+def csv_header() -> list[str]:
+    return list(_COLUMNS) + [f"{s}_seconds" for s in _STAGES]
+
+
+class CSVLog:
+    """``OUT/metrics.csv``: one row per round, the columns of :func:`csv_header`.
+
+    Written whole at the start (a resumed run's kept rounds), then one appended row per round,
+    so it always matches ``metrics.jsonl``.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def start(self, info: RunInfo) -> None:
+        text = io.StringIO()
+        writer = csv.writer(text, lineterminator="\n")
+        writer.writerow(csv_header())
+        writer.writerows(csv_row(line) for line in info.history)
+        checkpoint.write_atomic(self.path, text.getvalue())
+
+    def __call__(self, line: dict) -> None:
+        with open(self.path, "a", newline="") as f:
+            csv.writer(f, lineterminator="\n").writerow(csv_row(line))
+
+
+# ---------------------------------------------------------------------------------------------
+# TensorBoard
+
+
+def scalars(line: dict) -> dict[str, float]:
+    """The TensorBoard scalars of a round: loss and accuracy (train, and test when evaluated),
+    learning rate, images per second and seconds per stage.
+
+    >>> sorted(scalars({"train_loss": 2.0, "train_acc": 0.2, "lr": 0.1, "images": 64,
+    ...                 "stage_seconds": {"train": 0.5, "waiting": 0.1}}))
+    ['accuracy/train', 'loss/train', 'lr', 'seconds/train', 'seconds/waiting']
+    """
+    out = {}
+    for kind in ("train", "test"):
+        if f"{kind}_loss" in line:
+            out[f"loss/{kind}"] = float(line[f"{kind}_loss"])
+            out[f"accuracy/{kind}"] = float(line[f"{kind}_acc"])
+    if "lr" in line:
+        out["lr"] = float(line["lr"])
+    for stage, seconds in (line.get("stage_seconds") or {}).items():
+        out[f"seconds/{stage}"] = float(seconds)
+    return out
+
+
+class TensorBoardLog:
+    """TensorBoard event files in ``OUT/tensorboard/`` (``tensorboard --logdir OUT/tensorboard``).
+
+    Written with tensorboardX (no TensorFlow, no PyTorch). The x axis is the global step (local
+    optimizer steps per replica). A resumed run writes a new event file that starts with a purge
+    at its first step, so TensorBoard drops the rounds the resume recomputes.
+    """
+
+    def __init__(self, logdir: str | Path):
+        self.logdir = Path(logdir)
+        self.writer = None
+
+    def start(self, info: RunInfo) -> None:
+        from tensorboardX import SummaryWriter
+        purge = info.history[-1]["step"] + 1 if info.history else None
+        self.writer = SummaryWriter(str(self.logdir), purge_step=purge, flush_secs=5)
+        self.writer.add_text("config", "```\n" + info.config.to_json() + "\n```",
+                             global_step=purge or 0)
+
+    def __call__(self, line: dict) -> None:
+        for tag, value in scalars(line).items():
+            self.writer.add_scalar(tag, value, global_step=line["step"])
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+# ---------------------------------------------------------------------------------------------
+# A run that does not learn
+
+
+def at_chance(lines: list[dict], n_classes: int) -> bool:
+    """Whether every round of ``lines`` has its loss at chance level (within 0.03 of ln C, or
+    above) and its accuracy near 1/C (below 1.5/C): the model predicts nothing.
+
+    >>> at_chance([{"train_loss": 2.56, "train_acc": 0.10}, {"train_loss": 2.304,
+    ...            "train_acc": 0.09}], 10)
+    True
+    >>> at_chance([{"train_loss": 2.5, "train_acc": 0.10}, {"train_loss": 2.21,
+    ...            "train_acc": 0.17}], 10)
+    False
+    """
+    chance = math.log(n_classes)
+    return bool(lines) and all(line["train_loss"] >= chance - 0.03
+                               and line["train_acc"] < 1.5 / n_classes for line in lines)
+
+
+class ChanceWatch:
+    """Logs one warning when a whole epoch of training stays at chance level (:func:`at_chance`),
+    naming the likely cause: a learning rate too high for the model (its ReLUs die, or with
+    leaky units it diverges; measured in docs/benchmarks.md), and what to try.
+
+    The run's first round is left out (a fresh model starts at or above chance), and an epoch
+    counts only with at least ``MIN_STEPS`` steps and two rounds besides that one: a few steps
+    at chance are a start, not a verdict.
+    """
+
+    MIN_STEPS = 20
+
+    def __init__(self) -> None:
+        self.info: RunInfo | None = None
+        self.epoch_lines: dict[int, list] = {}
+        self.warned = False
+
+    def start(self, info: RunInfo) -> None:
+        self.info = info
+        for line in info.history:
+            self.epoch_lines.setdefault(line["epoch"], []).append(line)
+
+    def __call__(self, line: dict) -> None:
+        if self.info is None or self.warned:
+            return
+        lines = self.epoch_lines.setdefault(line["epoch"], [])
+        lines.append(line)
+        steps = sum(self.info.rounds[x["round"]].steps for x in lines)
+        judged = [x for x in lines if x["round"] > 0]
+        if (steps == self.info.per_epoch >= self.MIN_STEPS and len(judged) >= 2
+                and at_chance(judged, self.info.n_classes)):
+            self.warned = True
+            self.info.log(self.message(line["epoch"]))
+
+    def message(self, epoch: int) -> str:
+        t = self.info.config.train
+        c = self.info.n_classes
+        step = f"lr {t.lr:g}"
+        if t.optimizer == "momentum":
+            step += (f" with momentum {t.momentum:g}, a step of {t.lr / (1 - t.momentum):g} per "
+                     "unit gradient")
+        return (f"warning: epoch {epoch} ended with the training loss at chance level (ln {c} = "
+                f"{math.log(c):.3f}) and accuracy near 1/{c}: the model is not learning. Likely "
+                f"cause: the learning rate ({step}) is too high for {self.info.config.model.name}; "
+                f"try --lr {t.lr / 5:g} or --warmup-epochs 1")

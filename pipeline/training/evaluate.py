@@ -1,0 +1,98 @@
+"""Trained models back from disk (``load_model(OUT)``) and their test accuracy, one evaluate- task per
+test chunk (local threads)."""
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import dask
+
+from pipeline.core import npz
+from pipeline.training import tasks
+from pipeline.core.errors import DataError, UsageError
+from pipeline.backends.chainer.models import build_model, check_model_name
+from pipeline.backends.chainer.state import get_state, load_npz
+
+
+def load_weights(model_name: str, weights: str, n_classes: int):
+    """A registry model with the weights of ``weights`` (a ``model.npz``).
+
+    Read with our own ``.npz`` reader (``pipeline.core.npz``: no pickles, sizes checked first), never
+    Chainer's ``load_npz``, which unpickles. DataError for a file that is not a readable
+    ``.npz``; UsageError when its arrays are not the model's.
+    """
+    check_model_name(model_name)
+    model = build_model(model_name, n_classes)
+    try:
+        return load_npz(model, weights)
+    except npz.Mismatch as exc:
+        raise UsageError(f"weights {weights} do not fit model {model_name} ({n_classes} "
+                         f"classes): {exc.reason}") from None
+
+
+def evaluate_weights(model_name: str, weights: str, source: str, tta: bool = False,
+                     chunk: int = 1000, data=None) -> dict:
+    """``{"test_loss", "test_acc", "n"}`` of the weights on the test split of ``source`` (an
+    image source's val split); ``data``: the DataConfig that says how to read it."""
+    from pipeline.data.datasets import load_dataset
+    ds = load_dataset(source, data)
+    params = get_state(load_weights(model_name, weights, ds.n_classes))
+    spec = tasks.EvalSpec(model_name, ds.n_classes, tta)
+    images = ds.test_images.rechunk({0: chunk}).to_delayed().ravel()
+    labels = ds.test_labels.rechunk({0: chunk}).to_delayed().ravel()
+    token = uuid.uuid4().hex[:8]
+    parts = [dask.delayed(tasks.evaluate, pure=True)(params, x, y, spec,
+                                                     dask_key_name=(f"evaluate-{token}", i))
+             for i, (x, y) in enumerate(zip(images, labels))]
+    results = dask.compute(*parts, scheduler="threads")
+    n = sum(r["n"] for r in results)
+    return dict(test_loss=sum(r["loss_sum"] for r in results) / n,
+                test_acc=sum(r["correct"] for r in results) / n, n=n)
+
+
+def run_config(out: str | Path):
+    """The :class:`~pipeline.core.config.Config` of run directory ``out`` (its config.json, read as
+    any input is: ``rundir.read_config``)."""
+    from pipeline.outputs.fs import read_config
+    return read_config(Path(out), DataError)
+
+
+def _n_classes(out: Path, config) -> int:
+    """Classes of the trained model: summary.json says (the data decides), else the config."""
+    from pipeline.outputs.fs import read_json
+    try:
+        n = read_json(out / "summary.json", DataError)["n_classes"]
+        return n if type(n) is int and 2 <= n <= 100_000 else config.model.n_classes
+    except (DataError, KeyError, TypeError):
+        return config.model.n_classes
+
+
+def load_model(out: str | Path):
+    """The trained model of run directory ``out``: a Chainer Link of the architecture named in
+    ``OUT/config.json`` holding the weights of ``OUT/model.npz``, ready for inference::
+
+        from pipeline import load_model
+        model = load_model("runs/ipm")
+        with chainer.using_config("train", False):
+            logits = model(normalized_images)  # (N, 3, 32, 32) float32 -> (N, classes)
+
+    (``pipeline.training.tasks.predict_proba`` normalizes uint8 images and batches them.) An unfinished run
+    has no model.npz; its latest checkpoint's weights are in ``OUT/checkpoints/round-*/``.
+    """
+    out = Path(out)
+    config = run_config(out)
+    weights = out / "model.npz"
+    if not weights.is_file():
+        latest = sorted((out / "checkpoints").glob("round-*"))
+        hint = (f"; its latest checkpoint's weights: {latest[-1] / 'model.npz'}" if latest else "")
+        raise DataError(f"{out} has no model.npz: the run has not finished{hint}")
+    return load_weights(config.model.name, str(weights), _n_classes(out, config))
+
+
+def evaluate_run(out: str | Path, source: str | None = None, tta: bool = False) -> dict:
+    """:func:`evaluate_weights` of the model of run ``out``, on ``source`` (default: the run's data)."""
+    out = Path(out)
+    config = run_config(out)
+    load_model(out)  # one line for a run without model.npz, before any data is read
+    return evaluate_weights(config.model.name, str(out / "model.npz"),
+                            source or config.data.source, tta=tta)

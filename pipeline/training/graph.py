@@ -1,0 +1,353 @@
+"""Submits a run's tasks to the cluster: the dataset once (load-), then augment-, train-, average-,
+update-, apply-, evaluate- tasks as strategies ask.
+
+The only training module that talks to distributed. Keys come from ``pipeline.core.keys``:
+``("<stage>-<run token>", round, replica, ...)``, so the dashboard groups by the stage and the
+tuple says where in the run a task sits. Each stage is submitted inside a ``distributed.span``
+of its name, so the dashboard's fine performance metrics split time by stage too.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import distributed
+import numpy as np
+
+from pipeline.averaging import algorithms as averaging_algorithms
+from pipeline.cluster import connection as cluster
+from pipeline.core import keys
+from pipeline.training import tasks
+from pipeline.data.augment import augment
+from pipeline.core.schedule import Round, epoch_permutation, shard_positions
+
+
+def pick(result, field: int):
+    """One field of a task's tuple result, as its own key so consumers fetch only that part."""
+    return result[field]
+
+
+class Persisted(NamedTuple):
+    """The dataset, loaded once and kept on the cluster as one future per block."""
+    train_images: list  # [] when the training images are decoded again each round (stream)
+    train_labels: list
+    train_starts: tuple
+    test_images: list
+    test_labels: list
+    n_train: int
+    stream: object = None  # image_readers.Stream when the training set is not cached, else None
+    note: str = ""  # one line for the run's log: what the cache holds, or why it is off
+
+
+def persist_dataset(client: distributed.Client, dataset, eval_chunk: int = 250,
+                    resources: dict | None = None) -> Persisted:
+    """Load the raw data onto the cluster once (``load-``/``decode-`` tasks, asking for
+    ``resources``: the loading workers'); consumers refer to it by key. Decoded image folders
+    too, unless they do not fit (`image_readers.cache_decision`): then only the test split is
+    kept and each round decodes its own shards."""
+    from pipeline.data import images as image_readers
+    test_images = dataset.test_images.rechunk({0: eval_chunk})
+    test_labels = dataset.test_labels.rechunk({0: eval_chunk})
+    stream, note, n_train = dataset.stream, "", int(dataset.train_images.shape[0])
+    if stream is not None:
+        cached, note = image_readers.cache_decision(
+            stream, n_train, image_readers.worker_memory_limits(client))
+        stream = None if cached else stream
+    train = [] if stream is not None else [dataset.train_images, dataset.train_labels]
+    with distributed.span("load"):
+        arrays = client.persist(train + [test_images, test_labels], resources=resources)
+
+    def blocks(array):
+        by_key = {f.key: f for f in distributed.futures_of(array)}
+        return [by_key[k] for k in _block_keys(array)]
+
+    test = [blocks(a) for a in arrays[-2:]]
+    if stream is not None:
+        return Persisted([], [], (), *test, n_train, stream, note)
+    starts = tuple(int(s) for s in np.cumsum((0,) + dataset.train_images.chunks[0][:-1]))
+    return Persisted(blocks(arrays[0]), blocks(arrays[1]), starts, *test, n_train, None, note)
+
+
+def _block_keys(array) -> list:
+    keys = array.__dask_keys__()
+    while isinstance(keys, list) and keys and isinstance(keys[0], list):
+        keys = [k[0] if isinstance(k, list) else k for k in keys]
+    return keys
+
+
+class RoundGraph:
+    """Submits the tasks of one attempt of a run with stage-named keys, spans and resources.
+
+    One per attempt: a replay after lost work makes a fresh one (``for_attempt``) whose keys
+    carry a fresh token, so replayed tasks never meet a key the scheduler is still forgetting.
+    Strategies build their rounds from these methods only.
+    """
+
+    def __init__(self, client: distributed.Client, data: Persisted, config, *, n_classes: int,
+                 device: str, train_resources: dict | None, augment_resources: dict | None,
+                 token: str | None = None, payload_bytes: int = 0, watchdog=None):
+        self.client, self.data, self.config = client, data, config
+        self.watchdog = watchdog  # pipeline.cluster.watchdog.Watchdog: looks at the tasks while we wait
+        self.n_classes, self.device = n_classes, device
+        self.train_resources, self.augment_resources = train_resources, augment_resources
+        self.token = token or keys.new_token()
+        self.payload_bytes = payload_bytes  # bytes of one replica's parameters
+        self._perms: dict[int, np.ndarray] = {}
+        self._workers: list | None = None  # training workers by rank or name, for pin_replicas
+        self._rank_of: dict[str, str] = {}  # their RANK-i resources, where they advertise one
+        self._unsafe: bool | None = None  # some worker lacks the train resources: no pins
+        self.averaged_bytes = payload_bytes  # bytes per replica an average adds (auto weighs)
+        self._plan: averaging_algorithms.Plan | None = None
+
+    def for_attempt(self) -> "RoundGraph":
+        """The same graph builder under a fresh key token (and a fresh averaging plan: workers
+        may have come or gone)."""
+        fresh = RoundGraph(self.client, self.data, self.config, n_classes=self.n_classes,
+                           device=self.device, train_resources=self.train_resources,
+                           augment_resources=self.augment_resources,
+                           payload_bytes=self.payload_bytes, watchdog=self.watchdog)
+        fresh.averaged_bytes = self.averaged_bytes
+        return fresh
+
+    # ---- where replicas live and how they average ----------------------------------------
+    def average_plan(self) -> averaging_algorithms.Plan:
+        """The averaging algorithm and the replicas' placement (``average.algorithm``; auto
+        weighs ``averaged_bytes``), made once per attempt for the workers it sees then."""
+        if self._plan is None:
+            self._plan = averaging_algorithms.plan(
+                self.client, self.config.average, self.config.train.replicas,
+                self.averaged_bytes or None, self.train_resources)
+        return self._plan
+
+    def _average(self, *coords):
+        """(algorithm module, context) of an average keyed ``("average-<token>", *coords, ...)``."""
+        plan = self.average_plan()
+        ctx = averaging_algorithms.context(plan, self.client, self.token, coords,
+                                           self.config.average.fan_in, self.config.train.replicas)
+        return averaging_algorithms.get(plan.algorithm), ctx
+
+    def mean(self, round_index: int, payloads: list, prepare=None):
+        """Future of the payloads' exact mean (float64 sums in the fixed order of
+        ``pipeline.averaging.order``, divided once, cast back), on replica 0's worker when replicas
+        are placed. ``prepare`` turns a payload into the state dict to average, where it is
+        consumed (default: the payload is one)."""
+        algorithm, ctx = self._average(round_index)
+        with distributed.span("average"):
+            return algorithm.reduce(ctx._replace(prepare=prepare), payloads)
+
+    def allreduce(self, round_index: int, payloads: list, prepare=None) -> list:
+        """Per-replica futures of the mean, each where its replica will read it."""
+        algorithm, ctx = self._average(round_index)
+        with distributed.span("average"):
+            return algorithm.allreduce(ctx._replace(prepare=prepare), payloads)
+
+    def broadcast(self, round_index: int, value, what: str = "params") -> list:
+        """Per-replica futures of ``value`` (made on replica 0's worker): the algorithm's
+        broadcast, one copy per host. Keyed ``("average-<token>", round, what, ...)``."""
+        algorithm, ctx = self._average(round_index, what)
+        with distributed.span("average"):
+            return algorithm.broadcast(ctx, value)
+
+    def _home(self, replica: int) -> str | None:
+        """The worker replica k lives on: where the averaging plan placed it, or with
+        ``cluster.pin_replicas`` worker k mod W of the W workers offering the train resources
+        (by rank where they advertise ``RANK-i``, else by name), as a rank stays on its GPU;
+        None: anywhere."""
+        placement = self.average_plan().placement
+        if placement is not None:
+            return placement.replica_worker[replica]
+        if not self.config.cluster.pin_replicas:
+            return None
+        workers = self._train_workers()
+        return workers[replica % len(workers)] if workers else None
+
+    def _train_workers(self) -> list:
+        """Addresses of the workers offering the train resources, in rank order where each
+        advertises a ``RANK-i`` (and ``_rank_of`` filled), else by worker name; once an attempt."""
+        if self._workers is None:
+            info = self.client.scheduler_info(n_workers=-1)["workers"]
+            able = {a for hosts in averaging_algorithms.workers_by_host(
+                self.client, self.train_resources).values() for a in hosts}
+            ranks = cluster.worker_ranks({a: dict(info[a].get("resources") or {})
+                                          for a in able if a in info})
+            if ranks and set(ranks.values()) == able:
+                self._workers = list(ranks.values())
+                self._rank_of = {a: cluster.rank_resource(r) for r, a in ranks.items()}
+            else:
+                by_name = sorted(info.items(), key=lambda w: str(w[1]["name"]))
+                self._workers = [a for a, _ in by_name if a in able]
+        return self._workers
+
+    def _pinned(self, replica: int, resources: dict | None = None) -> dict:
+        """``submit`` arguments of a task of replica k that asks for ``resources``: a soft
+        preference for its ``_home``, so a lost worker's replica moves on. Where some worker
+        lacks the train resources (``_pinning_unsafe``) a resource-bound task is held to its home
+        by the home's ``RANK-i`` resource instead (restarted by its nanny, a worker keeps it),
+        and not placed at all where the workers advertise no ranks."""
+        home = self._home(replica)
+        if home is None:
+            return {"resources": resources}
+        if not resources or not self._pinning_unsafe():
+            return {"resources": resources, "workers": [home], "allow_other_workers": True}
+        self._train_workers()  # fills _rank_of also where the averaging plan chose the home
+        rank = self._rank_of.get(home)
+        return {"resources": {**resources, rank: 1} if rank else resources}
+
+    def _pinning_unsafe(self) -> bool:
+        """Whether a soft pin could send a resource-bound task to a worker without the resource.
+        For a task with loose worker restrictions distributed falls back to any worker,
+        resources notwithstanding: work stealing hands it to an idle thief when the pinned
+        worker is busy (``WorkStealing._get_thief``), and ``decide_worker`` does so once the
+        pinned worker is gone; the worker then fails on the missing resource (``KeyError:
+        'TRAIN'`` in its state machine, seen in CI with a loader). So where train- tasks ask for
+        resources that some worker lacks (loader workers; a GPU box's CPU workers) nothing is
+        pinned: the resources alone place the tasks."""
+        if self._unsafe is None:
+            def offering(resources):
+                hosts = averaging_algorithms.workers_by_host(self.client, resources)
+                return sum(len(workers) for workers in hosts.values())
+            need = self.train_resources
+            self._unsafe = bool(need) and offering(need) < offering(None)
+        return self._unsafe
+
+    def key(self, stage: str, *coords):
+        return keys.make(stage, self.token, *coords)
+
+    def _submit(self, func, *args, key, resources=None):
+        return self.client.submit(func, *args, key=key, pure=False, resources=resources)
+
+    def submit(self, func, *args, stage: str, coords: tuple = (), fields: tuple | None = None,
+               train: bool = False, pin: int | None = None):
+        """Submit ``func(*args)`` as ``(stage-token, *coords)`` inside a span named ``stage``.
+
+        ``fields``: names of the fields of a tuple result; each becomes its own small task
+        ``(stage-token, *coords, name)`` so consumers fetch only that part; returns their
+        futures. ``train``: ask for the train resources (a GPU). ``pin``: run where replica
+        ``pin`` lives (see ``_pinned``), e.g. next to the mean that ``mean`` left there.
+        """
+        resources = self.train_resources if train else None
+        where = self._pinned(pin, resources) if pin is not None else {"resources": resources}
+        with distributed.span(stage):
+            key = self.key(stage, *coords)
+            fut = self.client.submit(func, *args, key=key, pure=False, **where)
+            if fields is None:
+                return fut
+            return tuple(self.client.submit(pick, fut, i, key=(*key, name), pure=False,
+                                            resources=resources)
+                         for i, name in enumerate(fields))
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            self._perms = {epoch: epoch_permutation(self.config.seed, epoch, self.data.n_train)}
+        return self._perms[epoch]
+
+    def submit_augment(self, rnd: Round, replica: int, replicas: int, batch_size: int):
+        positions = shard_positions(rnd, replica, replicas, batch_size)
+        indices = self._perm(rnd.epoch)[positions]
+        cfg = self.config
+        images, labels, starts = (self.data.train_images, self.data.train_labels,
+                                  self.data.train_starts)
+        if self.data.stream is not None:  # not cached: decode this shard's files first
+            from pipeline.data.images import submit_decode
+            with distributed.span("decode"):
+                images, labels, starts = submit_decode(
+                    self._submit, self.key, self.data.stream, indices, rnd.index, replica,
+                    self.augment_resources)
+            indices = np.arange(len(indices))
+        with distributed.span("augment"):
+            return self._submit(augment, images, labels, starts, indices, positions,
+                                cfg.augment.policy, cfg.seed, rnd.epoch, cfg.augment.chunk,
+                                key=self.key("augment", rnd.index, replica),
+                                resources=self.augment_resources)
+
+    def submit_train(self, rnd: Round, replica: int, params, opt, shard, spec: tasks.StepSpec,
+                     pin: int | None = None):
+        """Futures ``(params, opt, metrics, result)`` of a replica's train- task (``result``:
+        the whole ``TrainResult``). ``pin``: the replica whose worker it prefers (default
+        ``replica``) when ``cluster.pin_replicas`` is on."""
+        with distributed.span("train"):
+            key = self.key("train", rnd.index, replica)
+            fut = self.client.submit(tasks.train, params, opt, shard, spec, key=key, pure=False,
+                                     **self._pinned(replica if pin is None else pin,
+                                                    self.train_resources))
+            # The picks ask for what the train- task did: a recomputed pick after a lost worker
+            # would otherwise fetch the whole result to any worker (a loader) to take a part.
+            picks = tuple(self.client.submit(pick, fut, i, key=(*key, name), pure=False,
+                                             resources=self.train_resources)
+                          for i, name in enumerate(("params", "opt", "metrics")))
+            return (*picks, fut)
+
+    def submit_evaluate(self, rnd_index: int, params, spec: tasks.EvalSpec) -> list:
+        with distributed.span("evaluate"):
+            return [self.client.submit(tasks.evaluate, params, images, labels, spec,
+                                       key=self.key("evaluate", rnd_index, i), pure=False,
+                                       resources=self.train_resources)
+                    for i, (images, labels) in enumerate(zip(self.data.test_images,
+                                                             self.data.test_labels))]
+
+    def scatter(self, value, replica: int | None = None):
+        """Put a host value on the cluster as a root with no lineage (checkpoints, resumes), on
+        ``replica``'s worker when replicas are placed."""
+        return self.scatter_many([value], replica)[0]
+
+    def scatter_many(self, values: list, replica: int | None = None) -> list:
+        """``scatter`` of several values in one round trip; a ``None`` stays ``None``."""
+        home = self._home(replica) if replica is not None else None
+        where = [home] if home is not None else None
+        present = [v for v in values if v is not None]
+        futures = iter(self.client.scatter(present, hash=False, workers=where) if present else ())
+        return [next(futures) if v is not None else None for v in values]
+
+    def scatter_shared(self, value, round_index: int, what: str = "scatter") -> list:
+        """A value every replica starts round ``round_index`` from (the shared parameters):
+        put on replica 0's worker, then sent on by the averaging algorithm's broadcast (one copy
+        per host, not one per replica from the driver). Per-replica futures."""
+        return self.broadcast(round_index, self.scatter(value, replica=0), what)
+
+    def gather(self, futures):
+        """Host values of (nested lists of) futures: the driver's one way to wait. While it
+        waits, the stalled-task watchdog looks at this attempt's tasks."""
+        if self.watchdog is not None:
+            self.watchdog.wait(distributed.futures_of(futures), f"-{self.token}")
+        return self.client.gather(futures)
+
+    def first_done(self, futures: list) -> list:
+        """The futures of ``futures`` that are done, waiting until at least one is (in the
+        order given). What asynchronous strategies react to."""
+        from distributed.client import FIRST_COMPLETED, _wait
+        if self.watchdog is not None:
+            self.watchdog.wait(futures, f"-{self.token}", first=True)
+        else:  # wait() needs a default client; this one may not be
+            self.client.sync(_wait, futures, return_when=FIRST_COMPLETED)
+        return [f for f in futures if f.done()]
+
+
+def futures_of(values) -> list:
+    """Every future held in (nested containers of) ``values``."""
+    return distributed.futures_of(values)
+
+
+@contextlib.contextmanager
+def task_stream(client: distributed.Client):
+    """Yields a function returning the task-stream records not returned before (stage timing).
+
+    The first call registers the scheduler's task-stream plugin, so it is made on entry. Windows
+    overlap by a second (clocks of scheduler and driver differ a little); records are de-duplicated.
+    """
+    import time
+    client.get_task_stream(start=time.time(), stop=time.time())
+    mark, seen = [time.time() - 1.0], set()
+
+    def since_last():
+        now = time.time()
+        records = client.get_task_stream(start=mark[0] - 1.0, stop=now + 1.0)
+        mark[0] = now
+        fresh = []
+        for rec in records:
+            ident = (str(rec.get("key")), tuple(ss.get("start") for ss in rec.get("startstops", ())))
+            if ident not in seen:
+                seen.add(ident)
+                fresh.append(rec)
+        return fresh
+
+    yield since_last

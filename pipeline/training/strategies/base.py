@@ -1,0 +1,201 @@
+"""What every strategy provides to the driver's loop, and the context it builds tasks from.
+
+The loop asks a strategy, per round: ``submit_round`` (the round's tasks, given the state
+futures after the previous round), ``model`` (the future of the weights a user would get if the
+run stopped here) and, at checkpoints, ``gather``/``scatter`` between futures and a host
+``HostState``. Strategies build tasks only through the ``RoundGraph`` they are given (one per
+attempt: a replay gets a fresh one with a fresh key token), so they import no dask.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from pipeline.outputs.checkpoint import HostState
+from pipeline.core.errors import UsageError
+from pipeline.core.schedule import Round, continue_plan, learning_rate, steps_per_epoch
+from pipeline.training.tasks import EvalSpec, StepSpec
+
+
+class Context(NamedTuple):
+    """What a strategy needs to know about the run besides the graph."""
+    config: Any  # pipeline.core.config.Config
+    replicas: int  # K
+    n_train: int  # training images
+    per_epoch: int  # global steps per epoch (K x B images each)
+    n_classes: int
+    device: str  # neutral device name of train tasks: cpu | gpu
+    plan: tuple = ()  # the run's rounds (a resumed, extended run keeps its finished ones)
+
+    @property
+    def warmup_steps(self) -> int:
+        return int(round(self.config.train.warmup_epochs * self.per_epoch))
+
+    @property
+    def total_steps(self) -> int:
+        """Global steps in ``train.epochs`` epochs: the horizon of a decaying learning rate."""
+        return int(round(self.config.train.epochs * self.per_epoch))
+
+    def lrs(self, rnd: Round) -> tuple:
+        t = self.config.train
+        return tuple(learning_rate(t.lr, self.replicas, t.lr_scaling, self.warmup_steps, s,
+                                   t.lr_decay, self.total_steps)
+                     for s in range(rnd.global_step, rnd.global_step + rnd.steps))
+
+    def spec(self, rnd: Round, replica: int, mode: str = "steps") -> StepSpec:
+        t = self.config.train
+        return StepSpec(self.config.model.name, self.n_classes, t.optimizer, t.momentum,
+                        t.weight_decay, self.lrs(rnd), t.batch_size, mode, self.config.seed,
+                        rnd.index, replica, self.device, beta1=t.beta1, beta2=t.beta2,
+                        eps=t.adam_eps, cpu_kernels=self.config.model.cpu_kernels)
+
+    def eval_spec(self) -> EvalSpec:
+        return EvalSpec(self.config.model.name, self.n_classes, self.config.train.tta,
+                        self.device, cpu_kernels=self.config.model.cpu_kernels)
+
+
+class Live(NamedTuple):
+    """Futures of the state between rounds: per-replica params and optimizer state, and the
+    strategy's own extra state (ipm: the outer momentum)."""
+    params: list
+    opts: list
+    outer: object = None
+
+
+class Submitted(NamedTuple):
+    """What submitting a round gives the loop."""
+    live: Any  # the state after the round (the strategy's own kind of futures)
+    metrics: list  # futures of one metric dict per update (replica) of the round
+
+
+class Strategy:
+    """Base class: K replicas of local steps, what they share after a round set by ``mix``."""
+
+    name = ""
+    mix = "every"  # which rounds end in an average: every | last | never (schedule.plan_rounds)
+    stages = ("load", "augment", "train", "average", "evaluate")  # stage_seconds it reports
+    files = ()  # its own files in the output directory (removed by --overwrite)
+
+    def __init__(self, context: Context, graph, log=None):
+        self.ctx, self.graph, self.log = context, graph, log or (lambda message: None)
+        self.K = context.replicas
+
+    # ---- the plan ---------------------------------------------------------------------
+    PLAIN = {"train.lr_scaling": "none", "train.warmup_epochs": 0.0, "train.beta1": 0.9,
+             "train.beta2": 0.999, "train.adam_eps": 1e-8, "average.outer_lr": 1.0,
+             "average.outer_warmup_epochs": 0.0, "average.optimizer_state": "keep",
+             "average.adaptive_outer": False}
+
+    @classmethod
+    def recipe(cls, config) -> dict:
+        """Values for the fields left at auto/None when ``train.recipe`` is on (none here)."""
+        return {}
+
+    @classmethod
+    def resolve(cls, config):
+        """``config`` with every auto/None field filled: from ``recipe`` when ``train.recipe``
+        is on, else (and for fields the recipe leaves open) with the plain values."""
+        chosen = {**cls.PLAIN, **(cls.recipe(config) if config.train.recipe else {})}
+        open_fields = {}
+        for name, value in chosen.items():
+            section, field = name.split(".")
+            if getattr(getattr(config, section), field) in (None, "auto"):
+                open_fields[name] = value
+        return config.replace(**open_fields) if open_fields else config
+
+    @classmethod
+    def check(cls, config) -> None:
+        """UsageError for settings this strategy cannot run (beyond config.validate)."""
+        if config.train.replicas < 1:
+            raise UsageError("train.replicas must be >= 1")
+
+    @classmethod
+    def period_of(cls, config, per_epoch: int) -> int:
+        """Local steps per round."""
+        return config.average.period(per_epoch)
+
+    @classmethod
+    def plan(cls, config, n_train: int, done: list = ()) -> tuple[list[Round], int, int]:
+        """(rounds, steps per epoch, local steps per round) of ``config``, after the ``done``
+        rounds of a resumed run (``schedule.continue_plan``)."""
+        t = config.train
+        per_epoch = steps_per_epoch(n_train, t.replicas, t.batch_size)
+        period = cls.period_of(config, per_epoch)
+        rounds = continue_plan(list(done), n_train, t.replicas, t.batch_size, t.epochs, period,
+                               cls.mix)
+        return rounds, per_epoch, period
+
+    def period(self) -> int:
+        return self.period_of(self.ctx.config, self.ctx.per_epoch)
+
+    def rounds(self) -> list[Round]:
+        return self.plan(self.ctx.config, self.ctx.n_train)[0]
+
+    # ---- state --------------------------------------------------------------------------
+    def restart(self, anchor: HostState, shard, out, replay: bool) -> None:
+        """Called before an attempt starts from ``anchor`` (the start, a resume, or a ``replay``
+        after lost work); ``shard(round, i)`` gives shard futures, ``out`` is the RunDir."""
+
+    def initial_state(self, params: dict) -> HostState:
+        return HostState(-1, [params] * self.K, [None] * self.K, None)
+
+    def shared(self) -> bool:
+        """Whether every replica starts a round from the same parameters."""
+        return self.mix == "every"
+
+    def scatter(self, state: HostState) -> Live:
+        """Host state -> futures with no lineage (a fresh root for the rounds that follow)."""
+        g = self.graph
+        if self.shared() or state.round < 0:  # one copy per host, by the averaging algorithm
+            params = g.scatter_shared(state.params[0], state.round + 1)
+        else:
+            params = [g.scatter(p, replica=k) for k, p in enumerate(state.params)]
+        opts = [g.scatter(o, replica=k) if o is not None else None
+                for k, o in enumerate(state.opts)]
+        outer = g.scatter(state.outer) if state.outer is not None else None
+        return Live(params, opts, outer)
+
+    def reroot(self, state: HostState, live) -> Live:
+        """At an anchor (``state`` was just gathered from ``live``): the live state to go on
+        from, with no lineage before the anchor, so the workers forget the rounds before it
+        (docs/reliability.md). Here: ``state`` scattered back as a fresh root."""
+        return self.scatter(state)
+
+    def gather(self, round_index: int, live: Live) -> HostState:
+        params, opts, outer = self.graph.gather([live.params, live.opts, live.outer])
+        return HostState(round_index, params, opts, outer)
+
+    def final_params(self, state: HostState) -> dict:
+        """The model's weights in a host state (replica 0's params: the shared ones)."""
+        return dict(state.params[0])
+
+    # ---- a round ------------------------------------------------------------------------
+    def train_replicas(self, rnd: Round, params: list, opts: list, shard, mode="steps") -> list:
+        """The K train- tasks of a round: futures ``(params, opt, metrics)`` per replica."""
+        return [self.graph.submit_train(rnd, k, params[k], opts[k], shard(rnd.index, k),
+                                        self.ctx.spec(rnd, k, mode)) for k in range(self.K)]
+
+    def submit_round(self, rnd: Round, live: Live, shard) -> Submitted:
+        """Submit round ``rnd`` from ``live``; ``shard(round, i)`` gives the future of the
+        i-th shard of a round (submitted on demand)."""
+        raise NotImplementedError
+
+    def model(self, rnd: Round, live: Live):
+        """Future of the weights after ``rnd`` (what stopping here would give)."""
+        return live.params[0]
+
+    @classmethod
+    def average_payload(cls, config, param_bytes: int) -> int:
+        """Bytes per replica that one of its averages adds up (0: it never averages), which
+        ``--average auto`` weighs to pick an algorithm."""
+        return param_bytes if config.train.replicas > 1 else 0
+
+    def bytes_averaged(self, rnd: Round) -> int:
+        """Bytes of replica state that entered the round's average (0 when none)."""
+        return 0
+
+    def round_fields(self, rnd: Round, metrics: list) -> dict:
+        """Extra fields of the round's line in metrics.jsonl."""
+        return {}
+
+    def collected(self, rnd: Round) -> None:
+        """Called once the round's line is written (async logs its updates here)."""

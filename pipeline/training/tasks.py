@@ -1,0 +1,121 @@
+"""The functions that run inside Dask tasks: train a replica, apply a gradient, evaluate a chunk.
+
+Each takes host NumPy values and small NamedTuples and returns the same kinds; the framework work
+goes through ``pipeline.backends`` (Chainer today) with neutral device names. Function names are
+the dashboard's stage labels: the graph builder keys their tasks ``"<name>-<token>"``. This
+module imports neither dask nor a framework.
+"""
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+import augment
+from pipeline.averaging import exact as averaging
+from pipeline.backends import State, get_backend
+from pipeline.core.rng import rng_for
+from pipeline.core.threads import limit_blas_threads
+from pipeline.data.readers import Shard
+
+
+class StepSpec(NamedTuple):
+    """Everything a train task needs besides its state and its shard."""
+    model: str
+    n_classes: int
+    optimizer: str  # sgd | momentum | adam
+    momentum: float
+    weight_decay: float
+    lrs: tuple  # learning rate of each local step; its length is the number of steps
+    batch_size: int  # images per step
+    mode: str  # "steps": take len(lrs) optimizer steps; "gradient": one gradient, no update
+    seed: int
+    round: int
+    replica: int  # the dropout stream's second coordinate (a slot of the round for async)
+    device: str = "cpu"  # neutral device name: cpu | gpu (the worker's GPU)
+    mean: tuple = tuple(augment.CIFAR10_MEAN)
+    std: tuple = tuple(augment.CIFAR10_STD)
+    backend: str = "chainer"
+    beta1: float = 0.9  # Adam's first-moment decay
+    beta2: float = 0.999  # Adam's second-moment decay
+    eps: float = 1e-8  # Adam's epsilon
+    cpu_kernels: str = "ours"  # convolution/pooling/BatchNorm on NumPy: ours | chainer
+
+
+class TrainResult(NamedTuple):
+    params: State  # the replica's parameters after its steps, or for mode "gradient" the
+    #                gradient and the updated BatchNorm statistics
+    opt: State | None  # this replica's optimizer state after its steps (None for "gradient")
+    metrics: dict  # loss_sum, correct, n, seconds, finite, nonfinite, replica
+
+
+def train(params: State, opt_state: State | None, shard: Shard, spec: StepSpec) -> TrainResult:
+    """Run one replica for one round: ``len(spec.lrs)`` steps of ``batch_size`` from ``shard``
+    (mode "steps"), or one gradient on the whole shard (mode "gradient").
+
+    ``opt_state`` None starts a fresh optimizer. Dropout masks come from
+    ``rng_for(seed, "dropout", round, replica)``.
+    """
+    start = time.perf_counter()
+    backend = get_backend(spec.backend)
+    rng = rng_for(spec.seed, "dropout", spec.round, spec.replica)
+    with limit_blas_threads():
+        if spec.mode == "gradient":
+            new_params, stats = backend.gradient(params, shard.images, shard.labels, spec, rng)
+            new_opt = None
+        else:
+            new_params, new_opt, stats = backend.train_steps(params, opt_state, shard.images,
+                                                             shard.labels, spec, rng)
+    nonfinite = averaging.first_nonfinite(new_params)
+    metrics = dict(loss_sum=stats.loss_sum, correct=stats.correct, n=stats.n,
+                   delta_sq=averaging.squared_distance(new_params, params)
+                   if spec.mode == "steps" else 0.0,
+                   finite=stats.finite and nonfinite is None, replica=spec.replica,
+                   nonfinite=nonfinite, seconds=time.perf_counter() - start)
+    return TrainResult(new_params, new_opt, metrics)
+
+
+def update(params: State, opt_state: State | None, mean: State, spec: StepSpec) -> tuple:
+    """Apply one optimizer step with the averaged gradient ``mean`` (Distributed Gradient).
+
+    ``mean`` holds the replicas' sample-weighted mean gradient for every parameter and their mean
+    BatchNorm statistics. Returns ``(params, optimizer_state)``.
+    """
+    with limit_blas_threads():
+        return get_backend(spec.backend).apply_gradient(params, opt_state, mean, spec)
+
+
+class EvalSpec(NamedTuple):
+    model: str
+    n_classes: int
+    tta: bool = False
+    device: str = "cpu"
+    batch_size: int = 100  # images per forward pass: bounds im2col buffers (1000 at once ran
+    #                        at half the speed here)
+    mean: tuple = tuple(augment.CIFAR10_MEAN)
+    std: tuple = tuple(augment.CIFAR10_STD)
+    backend: str = "chainer"
+    cpu_kernels: str = "ours"  # as StepSpec.cpu_kernels
+
+
+def predict_proba(params: State, images: np.ndarray, spec: EvalSpec) -> np.ndarray:
+    """(N, 3, 32, 32) uint8 -> (N, classes) float32 softmax probabilities (TTA-averaged if asked)."""
+    with limit_blas_threads():
+        return get_backend(spec.backend).predict(params, images, spec)
+
+
+def evaluate(params: State, images: np.ndarray, labels: np.ndarray, spec: EvalSpec) -> dict:
+    """Loss sum, correct count and size of one test chunk; summed over chunks by the driver."""
+    start = time.perf_counter()
+    proba = predict_proba(params, images, spec)
+    labels = np.asarray(labels, dtype=np.int64)
+    picked = np.clip(proba[np.arange(len(labels)), labels], 1e-12, None)
+    return dict(loss_sum=float(-np.log(picked.astype(np.float64)).sum()),
+                correct=int((proba.argmax(axis=1) == labels).sum()), n=int(len(labels)),
+                seconds=time.perf_counter() - start)
+
+
+def init_params(model: str, n_classes: int, seed: int, backend: str = "chainer") -> State:
+    """The initial weights every replica starts from (Horovod's broadcast of rank 0's weights)."""
+    return get_backend(backend).init_params(model, n_classes, seed)
