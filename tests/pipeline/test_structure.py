@@ -186,3 +186,36 @@ def test_task_functions_pickle():
                ipm.pack, tree._leaf, base.take_payload, base.local_sum, asynchronous.apply,
                asynchronous.apply_gradient):
         assert pickle.loads(pickle.dumps(fn)) is fn
+
+
+# The head before the restructure into packages: the same runs must give the same bits on it.
+# A later change that alters results on purpose moves this to that change's parent.
+BEFORE_PACKAGES = "5b7e37e3acf079ee00cbcd5721680fb44a3f727c"
+
+
+def _fixed_run(tree) -> dict:
+    import json
+    import os
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONWARNINGS": "ignore"}
+    script = f"import runpy; runpy.run_path({str(REPO / 'tests' / 'fixed_run.py')!r}, " \
+             "run_name='__main__')"  # -c: the tree's pipeline first, not tests/pipeline
+    run = subprocess.run([sys.executable, "-c", script], cwd=str(tree),
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_same_bits_as_the_head_before_the_packages(tmp_path):
+    import tarfile
+    archive = subprocess.run(["git", "archive", "--format=tar", BEFORE_PACKAGES, "pipeline",
+                              "augment"], cwd=str(REPO), capture_output=True)
+    if archive.returncode != 0:
+        pytest.skip(f"no commit {BEFORE_PACKAGES[:8]} here (a shallow clone?): "
+                    f"{archive.stderr.decode().strip()}")
+    (tmp_path / "before.tar").write_bytes(archive.stdout)
+    with tarfile.open(tmp_path / "before.tar") as tar:
+        tar.extractall(tmp_path / "before", filter="data")
+    before, now = _fixed_run(tmp_path / "before"), _fixed_run(REPO)
+    assert set(now) == {"ipm", "gradient", "async", "resnet20"}
+    assert now == before
