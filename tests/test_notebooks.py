@@ -91,7 +91,7 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
 def test_cluster_notebook_on_a_dask_scheduler(tmp_path, monkeypatch):
     """03 with $DASK_SCHEDULER_ADDRESS: a real `dask scheduler` and two `dask worker --resources
     CPU=1` processes (the recipe in its first cell); the /training page works there too."""
-    from tests.pipeline.clusters import subprocess_cluster
+    from tests.clusters import subprocess_cluster
     _kernel_env(monkeypatch)
     with subprocess_cluster(n_workers=2, resources={"CPU": 1}) as cluster:
         monkeypatch.setenv("DASK_SCHEDULER_ADDRESS", cluster.address)

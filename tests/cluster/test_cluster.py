@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pipeline.cluster import connection as cluster
 from pipeline.core.config import ClusterConfig
 from pipeline.core.errors import ClusterError
-from tests.pipeline.clusters import free_port, make_tls, subprocess_cluster
+from tests.clusters import free_port, make_tls, subprocess_cluster
 
 
 def _tls_cfg(files, **kw) -> ClusterConfig:

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.pipeline.clusters import REPO, make_tls, subprocess_cluster
+from tests.clusters import REPO, make_tls, subprocess_cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

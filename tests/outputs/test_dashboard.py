@@ -12,7 +12,7 @@ from pipeline.cluster import connection as cluster
 from pipeline.outputs import live
 from pipeline.core.config import ClusterConfig
 from pipeline.training.loop import train as train_run
-from tests.pipeline.clusters import ARTIFACTS, browser_skip_reason, open_dashboard
+from tests.clusters import ARTIFACTS, browser_skip_reason, open_dashboard
 
 STAGES = {"load", "augment", "train", "average", "evaluate"}
 TOKEN = "0123abcd"  # an 8-hex run token: key_split drops it, so the dashboard shows the bare stage
@@ -198,7 +198,7 @@ def test_dashboard_of_a_running_training_job():
 
 
 def test_browser_tests_skip_only_outside_ci(monkeypatch, tmp_path):
-    from tests.pipeline import clusters
+    from tests import clusters
     monkeypatch.setattr(clusters, "CHROMIUM", str(tmp_path / "no-chromium"))
     monkeypatch.delenv("CI", raising=False)
     assert "no-chromium is absent" in clusters.browser_skip_reason()
@@ -230,7 +230,7 @@ def test_a_cli_run_has_its_training_page_and_keeps_dashboard_errors_out(tmp_path
     import subprocess
     import sys
 
-    from tests.pipeline.clusters import REPO, free_port
+    from tests.clusters import REPO, free_port
     port, out = free_port(), tmp_path / "cli-run"
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
     env.pop("DASK_SCHEDULER_ADDRESS", None)

@@ -17,7 +17,7 @@ from pipeline import Config
 from pipeline.cluster import watchdog
 from pipeline.training.loop import train
 from pipeline.cluster.watchdog import Running, judge, thresholds
-from tests.pipeline.clusters import subprocess_cluster
+from tests.clusters import subprocess_cluster
 
 
 def _task(seconds: float, key="('train-ab', 3, 1)", stage="train", worker="tcp://w1"):

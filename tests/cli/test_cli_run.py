@@ -23,7 +23,7 @@ import pytest
 from pipeline import Config
 from pipeline.outputs import hooks
 from pipeline.cli.parser import build_parser, main
-from tests.pipeline.clusters import REPO
+from tests.clusters import REPO
 
 # 256 images, K=2 x batch 8: 16 steps per epoch, H=4: 4 rounds per epoch.
 # --no-recipe: the settings exactly as given (the ipm recipe touches only Adam runs now; its first

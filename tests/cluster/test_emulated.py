@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pipeline.cluster import emulated
-from tests.pipeline.clusters import REPO
+from tests.clusters import REPO
 
 pytestmark = [pytest.mark.cluster]
 

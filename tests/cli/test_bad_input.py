@@ -25,7 +25,7 @@ from pipeline.data import cifar
 from pipeline.data import datasets as data
 from pipeline.core import files
 from pipeline.cli.parser import main
-from tests.pipeline.clusters import REPO, free_port
+from tests.clusters import REPO, free_port
 
 GOOD = ["--data", "synthetic:64:16", "--model", "small-cnn", "--strategy", "ipm",
         "--replicas", "2", "--batch-size", "8", "--mix-every", "2", "--epochs", "0.5",

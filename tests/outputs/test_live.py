@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from pipeline import Config
 from pipeline.outputs import live
 from pipeline.training.loop import train
-from tests.pipeline.clusters import REPO
+from tests.clusters import REPO
 
 
 def _line(r: int, tested: bool = False) -> dict:

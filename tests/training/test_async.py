@@ -8,7 +8,7 @@ from pipeline import Config
 from pipeline.core.errors import UsageError
 from pipeline.training.strategies.asynchronous import InFlight, allowed, apply, fixed_order, read_order
 from pipeline.training.loop import train
-from tests.pipeline.resuming import whole_and_resumed
+from tests.resuming import whole_and_resumed
 
 SMALL = "synthetic:512:128"
 

@@ -13,8 +13,8 @@ import pytest
 from pipeline.cli.parser import main
 from pipeline.core.config import Config
 from pipeline.training.loop import train
-from tests.pipeline.images import png_header_only, write_folder, write_list, write_split_folder
-from tests.pipeline.test_bad_input import _train, scheduler  # noqa: F401 (fixture)
+from tests.images import png_header_only, write_folder, write_list, write_split_folder
+from tests.cli.test_bad_input import _train, scheduler  # noqa: F401 (fixture)
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from pipeline.data import datasets as data
 from pipeline.core import npz
 from pipeline.cli.parser import main
 from pipeline.core.errors import DataError
-from tests.pipeline.clusters import REPO
+from tests.clusters import REPO
 
 try:  # the name NumPy itself pickles arrays with
     from numpy._core.multiarray import _reconstruct

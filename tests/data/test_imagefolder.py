@@ -12,7 +12,7 @@ from pipeline.data import images as image_readers
 from pipeline.data import imagefolder
 from pipeline.core.config import DataConfig
 from pipeline.core.errors import DataError
-from tests.pipeline.images import png16, write_folder, write_list, write_split_folder
+from tests.images import png16, write_folder, write_list, write_split_folder
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from pipeline.core.errors import Interrupted
 from pipeline.backends.chainer.models import build_model
 from pipeline.backends.chainer.state import get_state
 from pipeline.training.loop import train
-from tests.pipeline.clusters import train_cli as _cli
+from tests.clusters import train_cli as _cli
 
 # 256 images, K=3 x batch 8, H=1: 20 rounds of ~0.1 s in 2 epochs; checkpoints at rounds 9, 19.
 ARGS = ["--data", "synthetic:256:64", "--model", "small-cnn", "--strategy", "ipm",

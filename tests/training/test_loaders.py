@@ -10,7 +10,7 @@ from pipeline.training import graph
 from pipeline.core import keys
 from pipeline.core.config import Config
 from pipeline.training.loop import train
-from tests.pipeline.images import write_folder
+from tests.images import write_folder
 
 
 def _config(source: str, **fields) -> Config:

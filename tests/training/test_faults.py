@@ -29,8 +29,8 @@ from pipeline.core.errors import ClusterError, DivergenceError
 from pipeline.backends.chainer.models import build_model
 from pipeline.backends.chainer.state import get_state
 from pipeline.training.loop import train
-from tests.pipeline.clusters import subprocess_cluster
-from tests.pipeline.clusters import train_cli as _cli
+from tests.clusters import subprocess_cluster
+from tests.clusters import train_cli as _cli
 
 # 256 images, K=3 replicas of batch 8: 10 steps per epoch; H=1: 20 rounds in 2 epochs. The CLI
 # runs checkpoint every 10 rounds (the default: rounds 9 and 19), the in-process ones every 4

@@ -10,7 +10,7 @@ from pipeline.core.errors import ResumeError, UsageError
 from pipeline.backends.chainer.models import build_model
 from pipeline.backends.chainer.state import get_state
 from pipeline.training.loop import train
-from tests.pipeline.resuming import whole_and_resumed
+from tests.resuming import whole_and_resumed
 
 SMALL = "synthetic:512:128"
 

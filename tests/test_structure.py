@@ -11,7 +11,7 @@ from pipeline.training import strategies
 from pipeline.core.config import STRATEGIES
 from pipeline.core.errors import ClusterError
 from pipeline.training.telemetry import StageClock
-from tests.pipeline.clusters import REPO
+from tests.clusters import REPO
 
 # Modules that must import neither dask nor a framework (pure array code, plans, decisions).
 PURE = ["augment", "pipeline.core.config", "pipeline.core.errors", "pipeline.core.rng",
@@ -198,7 +198,7 @@ def _fixed_run(tree) -> dict:
     import os
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONWARNINGS": "ignore"}
     script = f"import runpy; runpy.run_path({str(REPO / 'tests' / 'fixed_run.py')!r}, " \
-             "run_name='__main__')"  # -c: the tree's pipeline first, not tests/pipeline
+             "run_name='__main__')"  # -c: the tree's pipeline first (cwd), not a tests/ module
     run = subprocess.run([sys.executable, "-c", script], cwd=str(tree),
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
