@@ -8,7 +8,7 @@ block as processing on the one live worker, the worker has no state for it, noth
 and nothing times out, so the run waits forever. The worker had been fetching the block from a
 killed worker for a dependent task; asked to compute it, then told to free the dependent, it
 cancels the block and forgets it when the fetch fails (distributed's worker state machine does
-this; ``tests/pipeline/test_assignments.py`` drives it there). A lost ``compute-task`` message
+this; ``tests/cluster/test_assignments.py`` drives it there). A lost ``compute-task`` message
 ends the same. Neither the worker's heartbeat (it is alive) nor its executing figures (it runs
 nothing) show it; only asking the worker does.
 
