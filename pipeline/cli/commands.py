@@ -270,7 +270,7 @@ def saved_config(run: Path) -> Config:
 
 
 def _run_train(args) -> int:
-    from pipeline.outputs import live
+    from pipeline.outputs import dashboard
     from pipeline.core.interrupt import graceful_stop
     from pipeline.training.loop import train
     if args.resume and args.out and Path(args.out) != Path(args.resume):
@@ -280,8 +280,8 @@ def _run_train(args) -> int:
         config.validate()  # a bad option is the one line, not after an output path
         config = config.replace(out=default_out(config.train.strategy))
         print(f"output: {config.out} (--out)", file=sys.stderr, flush=True)
-    page = live.DashboardEvents(run=Path(config.out).name)  # the /training page of this run
-    with graceful_stop() as stop, live.dashboard_log(Path(config.out) / "dashboard.log"):
+    page = dashboard.DashboardEvents(run=Path(config.out).name)  # the /training page of this run
+    with graceful_stop() as stop, dashboard.dashboard_log(Path(config.out) / "dashboard.log"):
         result = train(config, resume=bool(args.resume), overwrite=args.overwrite, stop=stop,
                        hooks=[page])
     if result.status == "complete":

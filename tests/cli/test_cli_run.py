@@ -296,11 +296,11 @@ def test_load_model_of_an_unfinished_run_is_one_line(tmp_path):
 def test_dashboard_web_errors_go_to_a_file_not_the_terminal(tmp_path, capfd):
     import logging
 
-    from pipeline.outputs import live
+    from pipeline.outputs import dashboard
     path = tmp_path / "run" / "dashboard.log"
     import distributed  # noqa: F401  (configures these loggers)
-    before = {n: logging.getLogger(n).handlers[:] for n in live.DASHBOARD_LOGGERS}
-    with live.dashboard_log(path):
+    before = {n: logging.getLogger(n).handlers[:] for n in dashboard.DASHBOARD_LOGGERS}
+    with dashboard.dashboard_log(path):
         for name in ("distributed.dashboard.components.scheduler", "tornado.application",
                      "bokeh.server.protocol_handler"):
             try:
@@ -309,7 +309,7 @@ def test_dashboard_web_errors_go_to_a_file_not_the_terminal(tmp_path, capfd):
                 logging.getLogger(name).exception("'average-7bd006d6'")
     assert "average-7bd006d6" not in capfd.readouterr().err
     assert path.read_text().count("KeyError: 'average-7bd006d6'") == 3
-    assert {n: logging.getLogger(n).handlers for n in live.DASHBOARD_LOGGERS} == before
+    assert {n: logging.getLogger(n).handlers for n in dashboard.DASHBOARD_LOGGERS} == before
 
 
 # --- defect 8: file modes -------------------------------------------------------------------------

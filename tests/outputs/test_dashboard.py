@@ -1,18 +1,193 @@
-"""Browser tests: headless Chromium opens the dashboard of a running job and finds the stage names."""
+"""The dashboard side of live metrics: the events a run publishes, the /training page (hostile
+events included), and browser tests in which headless Chromium opens the dashboard of a running
+job and finds the stage names."""
 from __future__ import annotations
 
+import io
+import pickle
 import threading
 import time
+import urllib.parse
+import urllib.request
 
 import distributed
+import msgpack
 import pytest
+from hypothesis import given, settings
 
 from pipeline import Config
 from pipeline.cluster import connection as cluster
-from pipeline.outputs import live
+from pipeline.outputs import dashboard, live
 from pipeline.core.config import ClusterConfig
 from pipeline.training.loop import train as train_run
 from tests.clusters import ARTIFACTS, browser_skip_reason, open_dashboard
+from tests.outputs.test_live import HISTORY, history_st
+
+
+# ---- events -----------------------------------------------------------------------------------
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(history_st)
+def test_events_keep_every_round(history):
+    for h in history:
+        event = dashboard.event_of(h, "r")
+        assert msgpack.unpackb(msgpack.packb(event)) == event  # what log_event requires
+        assert event["round"] == h["round"] and ("test_acc" in event) == ("test_acc" in h)
+
+
+def test_scheduler_side_function_and_event_pickle_round_trip():
+    assert pickle.loads(pickle.dumps(dashboard.install_page)) is dashboard.install_page
+    event = dashboard.event_of(HISTORY[1], "ipm")
+    assert pickle.loads(pickle.dumps(event)) == event
+
+
+# ---- publishing and the page ------------------------------------------------------------------
+
+def _get(url: str) -> str:
+    # The in-process cluster's link names the inproc host; its dashboard binds 127.0.0.1.
+    parts = urllib.parse.urlsplit(url)
+    url = parts._replace(netloc=f"127.0.0.1:{parts.port}").geturl()
+    return urllib.request.urlopen(url, timeout=30).read().decode()
+
+
+def test_dashboard_events_publish_rounds_and_serve_the_page(dask_client):
+    events = dashboard.dashboard_events(dask_client, run="unit-events")
+    assert events.page_url == dask_client.dashboard_link.replace("/status", "/training")
+    for line in HISTORY:
+        events(line)
+    got = dashboard.training_events(dask_client, "unit-events")
+    assert [e["round"] for e in got] == [0, 1, 2, 3]
+    assert got[1]["test_acc"] == pytest.approx(HISTORY[1]["test_acc"])
+    assert got[0]["stage_seconds"] == {"train": 1.0, "waiting": 0.1}
+    everything = [msg for _, msg in dask_client.get_events("all")]
+    assert sum(m.get("action") == dashboard.ACTION and m.get("run") == "unit-events"
+               for m in everything) == 4  # the /events page shows every round
+    html = _get(events.page_url)  # a 404 raises; the Bokeh document itself loads in JS
+    assert "Bokeh" in html and 'href="training"' in html
+    assert dashboard.add_dashboard_page(dask_client) == events.page_url  # idempotent
+    status = _get(dask_client.dashboard_link)
+    assert status.count('href="training"') == 1  # one entry in every page's More... menu
+
+
+def test_dashboard_events_find_the_default_client_at_the_first_round(dask_client):
+    events = dashboard.DashboardEvents(run="unit-default", page=False)
+    with dask_client.as_current():
+        events(HISTORY[0])
+    assert events.client is dask_client and events.page_url is None
+    assert [e["round"] for e in dashboard.training_events(dask_client, "unit-default")] == [0]
+
+
+def test_no_page_without_a_dashboard_but_events_still_flow():
+    with distributed.LocalCluster(n_workers=0, processes=False, dashboard_address="127.0.0.1:0",
+                                  scheduler_kwargs={"dashboard": False}) as cl, \
+            distributed.Client(cl, set_as_default=False) as client:
+        events = dashboard.dashboard_events(client, run="no-dashboard")
+        events(HISTORY[0])
+        assert events.page_url is None
+        assert len(dashboard.training_events(client)) == 1
+
+
+class _FakeScheduler:
+    def __init__(self):
+        self.events = []
+
+    def get_events(self, topic):
+        assert topic == dashboard.TOPIC
+        return tuple(self.events)
+
+
+def test_training_page_shows_the_latest_run():
+    scheduler = _FakeScheduler()
+    page = dashboard.TrainingPage(scheduler)
+    page.update()
+    assert page.train.data["epoch"] == [] and "no rounds" in page.div.text
+    scheduler.events = [(float(i), dashboard.event_of(x, "first")) for i, x in enumerate(HISTORY)]
+    page.update()
+    assert page.train.data["round"] == [0, 1, 2, 3] and page.test.data["round"] == [1, 3]
+    assert page.test.data["test_acc"] == pytest.approx([0.17, 0.21])
+    scheduler.events.append((9.0, dashboard.event_of(HISTORY[0], "second")))
+    page.update()
+    assert page.train.data["round"] == [0] and page.test.data["epoch"] == []
+    assert page.div.text.startswith("<b>second</b>: round 1 (")
+
+
+def test_training_page_says_round_x_of_n_eta_and_time_per_stage():
+    scheduler = _FakeScheduler()
+    page = dashboard.TrainingPage(scheduler)
+    rows = [dict(line, seconds=10.0 * (i + 1), stage_seconds={"train": 6.0, "augment": 2.0})
+            for i, line in enumerate(HISTORY[:2])]
+    scheduler.events = [(float(i), dashboard.event_of(x, "ipm-20260101-120000", rounds=8))
+                        for i, x in enumerate(rows)]
+    page.update()
+    text = page.div.text
+    assert text.startswith("<b>ipm-20260101-120000</b>: round 2 of 8 "
+                           "(20 s so far, ETA 1 min 00 s)")
+    assert "train<br>12.0 s (75%)" in text and "augment<br>4.0 s (25%)" in text
+    hostile = dashboard.event_of(dict(rows[0], round=7), "<script>x</script>", 8)
+    scheduler.events.append((9.0, hostile))
+    page.update()
+    assert "<script>" not in page.div.text and "&lt;script&gt;" in page.div.text
+
+
+def test_callbacks_see_every_round_of_a_real_run(dask_client):
+    cfg = Config().replace(**{
+        "data.source": "synthetic:128:32", "model.name": "small-cnn", "train.strategy": "ipm",
+        "train.replicas": 2, "train.batch_size": 16, "average.mix_every": "2",
+        "train.epochs": 1, "progress": False, "checkpoint_every": 0, "seed": 1})
+    out = io.StringIO()
+    plot = live.LivePlot("ipm", file=out)
+    events = dashboard.dashboard_events(dask_client, run="unit-train", page=False)
+    result = train_run(cfg, dask_client, on_round=live.compose(plot, events))
+    assert plot.history == result.history and len(result.history) == 2
+    assert len(out.getvalue().splitlines()) == 2
+    published = dashboard.training_events(dask_client, "unit-train")
+    tested = [e["test_acc"] for e in published if "test_acc" in e]
+    assert tested == [result.history[-1]["test_acc"]]
+
+
+# ---- hostile events (any client or task can publish on the topic) -----------------------------
+
+XSS = '<img src=x onerror="alert(1)"><script>alert(2)</script>'
+MALFORMED = [
+    "not a dict", 42, None, ["a", "list"],
+    {"run": "r"},  # no metrics at all
+    {"run": "r", "round": "1", "epoch_float": 0.5, "train_loss": 2.0, "train_acc": 0.1},
+    {"run": "r", "round": 1, "epoch_float": "<b>", "train_loss": 2.0, "train_acc": 0.1},
+    {"run": "r", "round": 1, "epoch_float": 0.5, "train_loss": float("nan"), "train_acc": 0.1},
+    {"run": "r", "round": 1, "epoch_float": 0.5, "train_loss": 2.0, "train_acc": 0.1,
+     "test_acc": 0.2},  # a test accuracy without its loss
+    {"run": "r", "round": True, "epoch_float": 0.5, "train_loss": 2.0, "train_acc": 0.1},
+]
+
+
+def test_training_page_escapes_the_label_and_skips_malformed_events():
+    scheduler = _FakeScheduler()
+    page = dashboard.TrainingPage(scheduler)
+    good = dashboard.event_of(HISTORY[1], XSS)
+    good["train_acc"] = 0.5
+    scheduler.events = [(1.0, good)] + [(2.0 + i, m) for i, m in enumerate(MALFORMED)] + \
+        ["not a pair", (9.0,)]
+    page.update()  # never raises: a malformed event cannot take the page down
+    assert page.train.data["round"] == [1] and page.test.data["round"] == [1]
+    assert "<script" not in page.div.text and "<img" not in page.div.text
+    assert "&lt;script&gt;alert(2)&lt;/script&gt;" in page.div.text
+    assert page.div.text.startswith("<b>&lt;img src=x onerror=&quot;alert(1)&quot;&gt;")
+    scheduler.events = [(1.0, m) for m in MALFORMED]
+    page.update()
+    assert page.train.data["round"] == [1]  # nothing well formed: the last good plot stays
+
+
+def test_the_page_serves_200_with_hostile_events_published(dask_client):
+    events = dashboard.dashboard_events(dask_client, run=XSS)
+    events(HISTORY[0])
+    for msg in MALFORMED:
+        dask_client.log_event(dashboard.TOPIC, msg)
+    assert dashboard.training_events(dask_client)[-1] == MALFORMED[-1]
+    html = _get(events.page_url)  # an exception building the document would be an HTTP 500
+    assert "Bokeh" in html and "<script>alert" not in html
+
+
+# ---- in a browser -----------------------------------------------------------------------------
 
 STAGES = {"load", "augment", "train", "average", "evaluate"}
 TOKEN = "0123abcd"  # an 8-hex run token: key_split drops it, so the dashboard shows the bare stage
@@ -148,7 +323,7 @@ def test_dashboard_of_a_running_training_job():
             raise _Stop
 
     with cluster.connect(ClusterConfig(workers=2, threads_per_worker=1)) as client:
-        events = live.dashboard_events(client, run="browser-test")
+        events = dashboard.dashboard_events(client, run="browser-test")
         assert events.page_url == cluster.describe(client)["dashboard"].replace("status", "training")
 
         def run():
@@ -168,13 +343,13 @@ def test_dashboard_of_a_running_training_job():
             progress = dash.progress_names()
             running_at_shot = job.is_alive()
             dash.screenshot(ARTIFACTS / "dashboard-training.png")
-            dash.goto("/" + live.PAGE)
+            dash.goto("/" + dashboard.PAGE)
             rounds = dash.wait_for(lambda: set(_column(dash, "round")), {0, 1, 2}, timeout=60)
             test_acc = _column(dash, "test_acc")
-            menu = dash.page.locator(f'a[href="{live.PAGE}"]').count()  # "More..." links it
+            menu = dash.page.locator(f'a[href="{dashboard.PAGE}"]').count()  # "More..." links it
             dash.screenshot(ARTIFACTS / "dashboard-training-page.png")
             dash.goto("/events")
-            actions = dash.wait_for(lambda: set(_column(dash, "action")), {live.ACTION},
+            actions = dash.wait_for(lambda: set(_column(dash, "action")), {dashboard.ACTION},
                                     timeout=30)
             dash.goto("/individual-fine-performance-metrics")
             spans = dash.wait_for(dash.span_tags, STAGES, timeout=30)
@@ -182,7 +357,7 @@ def test_dashboard_of_a_running_training_job():
             stop.set()
             job.join(timeout=60)
             running_at_end = job.is_alive()
-        published = live.training_events(client, "browser-test")
+        published = dashboard.training_events(client, "browser-test")
     assert not errors, errors
     assert not running_at_end, "the run did not stop after on_round raised"
     assert running_at_shot, "the run ended before the screenshot: make it longer"
@@ -191,7 +366,7 @@ def test_dashboard_of_a_running_training_job():
     assert {0, 1, 2} <= rounds, f"/training shows rounds {sorted(rounds)}"
     assert test_acc and all(0 <= a <= 1 for a in test_acc)
     assert menu == 1, "no Training entry in the dashboard's More... menu"
-    assert live.ACTION in actions, f"/events shows {sorted(actions)}"
+    assert dashboard.ACTION in actions, f"/events shows {sorted(actions)}"
     assert STAGES <= spans, f"span tags: {sorted(spans)}"
     assert [e["round"] for e in published] == [line["round"] for line in seen]
     assert (ARTIFACTS / "dashboard-training.png").stat().st_size > 10_000
@@ -249,7 +424,7 @@ def test_a_cli_run_has_its_training_page_and_keeps_dashboard_errors_out(tmp_path
             # /groups may answer 500 (distributed's KeyError): no Bokeh document to wait for.
             dash.page.goto(f"http://127.0.0.1:{port}/groups", timeout=30_000)
             dash.page.wait_for_timeout(1500)
-            dash.goto("/" + live.PAGE)
+            dash.goto("/" + dashboard.PAGE)
             texts = dash.wait_for(lambda: {t for t in dash.page.evaluate(_DIV_TEXTS_JS)
                                            if " of " in t}, timeout=60)
             dash.screenshot(ARTIFACTS / "dashboard-cli-training-page.png")
