@@ -147,3 +147,20 @@ class LivePlot:
             self._handle = display(image, display_id=True)
         else:
             self._handle.update(image)
+
+
+# Names that lived here before the dashboard had its own module: one release of forwarding.
+_IN_DASHBOARD = ("TOPIC", "ACTION", "PAGE", "event_of", "progress_of", "clean_event",
+                 "status_html", "DASHBOARD_LOGGERS", "dashboard_log", "DashboardEvents",
+                 "dashboard_events", "training_events", "add_dashboard_page", "install_page",
+                 "TrainingPage")
+
+
+def __getattr__(name: str):
+    if name in _IN_DASHBOARD:
+        import importlib
+        import warnings
+        warnings.warn(f"pipeline.outputs.live.{name} moved to pipeline.outputs.dashboard.{name}; "
+                      "the old name goes in the next release", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module("pipeline.outputs.dashboard"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

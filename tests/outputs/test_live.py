@@ -103,3 +103,9 @@ def test_live_plot_updates_one_output_in_place_in_a_kernel(tmp_path, monkeypatch
     assert len(images) == 1, [o.output_type for o in outputs]  # updated, not appended
     assert images[0].output_type == "display_data"
     assert images[0].data["image/png"][:8] != ""
+
+
+def test_the_dashboard_names_still_reach_through_live_for_one_release():
+    from pipeline.outputs import dashboard
+    with pytest.warns(DeprecationWarning, match="moved to pipeline.outputs.dashboard"):
+        assert live.dashboard_events is dashboard.dashboard_events
