@@ -34,7 +34,8 @@ def limit_of(lay: Layout, name: str) -> tuple[int, str]:
     if name == lay.meta:
         return MAX_META_BYTES, "a CIFAR meta file"
     if lay.key == "cifar10-binary":
-        return MAX_BINARY_BATCH_BYTES, f"a CIFAR binary batch of at most {MAX_IMAGES_PER_FILE} images"
+        return (MAX_BINARY_BATCH_BYTES,
+                f"a CIFAR binary batch of at most {MAX_IMAGES_PER_FILE} images")
     return MAX_PYTHON_BATCH_BYTES, f"a CIFAR python batch of at most {MAX_IMAGES_PER_FILE} images"
 
 

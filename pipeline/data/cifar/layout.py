@@ -50,7 +50,8 @@ LAYOUTS = {
                              tuple(f"data_batch_{i}" for i in range(1, 6)), ("test_batch",),
                              "batches.meta", ("readme.html",)),
     "cifar10-binary": Layout("cifar10-binary", "cifar-10-batches-bin", "cifar-10-binary.tar.gz",
-                             tuple(f"data_batch_{i}.bin" for i in range(1, 6)), ("test_batch.bin",),
+                             tuple(f"data_batch_{i}.bin" for i in range(1, 6)),
+                             ("test_batch.bin",),
                              "batches.meta.txt", ("readme.html",)),
     "cifar100-python": Layout("cifar100-python", "cifar-100-python", "cifar-100-python.tar.gz",
                               ("train",), ("test",), "meta", ("file.txt~",)),
@@ -79,7 +80,7 @@ class BatchFile:
 
 @dataclasses.dataclass(frozen=True)
 class SyntheticChunk:
-    """One chunk of the synthetic dataset: made on whichever worker runs it, same bytes everywhere."""
+    """One synthetic chunk, made on whichever worker runs it: the same bytes anywhere."""
     seed: int  # data seed
     split: str  # "train" | "test"
     index: int  # chunk number within the split (the batch file number minus one)

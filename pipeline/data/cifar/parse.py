@@ -238,7 +238,7 @@ def _check_labels(labels, n: int, n_classes: int, where: str) -> np.ndarray:
 
 def parse_batch(layout: str, raw: bytes, where: str, label_kind: str = "fine"
                 ) -> tuple[np.ndarray, np.ndarray]:
-    """The bytes of one batch file -> validated images ``(n, 3, 32, 32) uint8``, labels ``(n,) int32``.
+    """One batch file's bytes -> validated images ``(n, 3, 32, 32) uint8``, labels ``(n,) int32``.
 
     Raises DataError naming ``where`` for anything but a well-formed batch of the layout.
     """

@@ -91,7 +91,8 @@ class _Py2Writer:
         if len(items) > 3:
             self.out.append(b"(")
         for item in items:
-            self.save(item, memo=False)  # members of temporaries: cPickle skipped refcount-1 objects
+            # members of temporaries: cPickle skipped refcount-1 objects
+            self.save(item, memo=False)
         self.out.append({1: b"\x85", 2: b"\x86", 3: b"\x87"}.get(len(items), b"t"))
 
     def _items(self, empty: bytes, items: list, one: bytes, many: bytes):

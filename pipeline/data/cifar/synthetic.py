@@ -50,7 +50,7 @@ _YY, _XX = np.mgrid[0:32, 0:32].astype(np.float32)
 
 
 def synthetic_labels(seed: int, split: str, index: int, n: int) -> np.ndarray:
-    """The labels of synthetic chunk ``index`` of ``split``: ``(n,) int32``, balanced over 10 classes.
+    """Labels of synthetic chunk ``index`` of ``split``: ``(n,) int32``, balanced over 10 classes.
 
     The first draw of the chunk's generator, so they equal ``synthetic_batch(...)[1]``.
 
@@ -105,7 +105,7 @@ def _synthetic_batches(n_train: int, n_test: int, seed: int):
 
 def write_synthetic(out: str, n_train: int = 5000, n_test: int = 1000, seed: int = 0,
                     tar: bool = False, fmt: str = "python") -> str:
-    """Write a synthetic CIFAR-10 in the official format under ``out``; return the path for ``--data``.
+    """Write a synthetic CIFAR-10 in an official format under ``out``; return the ``--data`` path.
 
     ``fmt="python"`` writes ``out/cifar-10-batches-py/`` (five training batches, as equal as
     possible, plus ``test_batch``, ``batches.meta`` and ``readme.html``), byte-compatible with the

@@ -33,7 +33,7 @@ def _filenames(labels: np.ndarray, names, start: int) -> list[bytes]:
 
 
 def write_python10(out: str, train, test, label_names, tar: bool = False) -> str:
-    """Write ``out/cifar-10-batches-py/`` from ``[(images, labels)] * k`` and ``(images, labels)``."""
+    """Write ``out/cifar-10-batches-py/`` from train ``[(images, labels)] * k`` and a test pair."""
     files, start = {}, 0
     for i, (images, labels) in enumerate(train):
         files[f"data_batch_{i + 1}"] = py2_dumps(_py10_batch(
