@@ -30,6 +30,7 @@ def main() -> None:
     import numpy as np
 
     from pipeline.data import cifar
+    from pipeline.data.cifar.write import _py10_batch
     from pipeline.core import npz
     from pipeline.training import tasks
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -39,8 +40,8 @@ def main() -> None:
     a = parser.parse_args()
 
     images, labels = cifar.synthetic_batch(0, "train", 0, a.images)
-    raw = cifar.py2_dumps(cifar._py10_batch("training batch 1 of 5", images, labels,
-                                            cifar.CIFAR10_LABEL_NAMES, 0))
+    raw = cifar.py2_dumps(_py10_batch("training batch 1 of 5", images, labels,
+                                      cifar.CIFAR10_LABEL_NAMES, 0))
     plain = best(lambda: pickle.loads(raw, encoding="bytes"), a.repeats)
     safe = best(lambda: cifar.parse_batch("cifar10-python", raw, "bench"), a.repeats)
 

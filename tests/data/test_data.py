@@ -19,6 +19,8 @@ import pytest
 from dask.utils import key_split
 
 from pipeline.data import cifar
+from pipeline.data.cifar import synthetic as cifar_synthetic
+from pipeline.data.cifar import task as cifar_task
 from pipeline.data import datasets as data
 from pipeline.core import files
 from pipeline.core.config import DataConfig
@@ -105,9 +107,10 @@ def test_same_inputs_same_keys_other_inputs_other_keys(cifar_copy, cifar_tar):
 def test_compute_reads_each_batch_file_exactly_once(cifar_dir, cifar_tar, monkeypatch, which):
     ds = data.load_dataset(cifar_dir if which == "dir" else cifar_tar)
     reads = []
-    reader = "_read_file" if which == "dir" else "_read_archive"
-    original = getattr(cifar, reader)
-    monkeypatch.setattr(cifar, reader, lambda path, *a: reads.append((path, *a)) or original(path, *a))
+    reader = "read_file" if which == "dir" else "read_archive"
+    original = getattr(cifar_task, reader)  # where load() looks its reader up
+    monkeypatch.setattr(cifar_task, reader,
+                        lambda path, *a: reads.append((path, *a)) or original(path, *a))
     with dask.config.set(scheduler="threads"):
         data.dataset_arrays(ds)
     assert len(reads) == 6 and len(set(map(str, reads))) == 6
@@ -168,7 +171,7 @@ def test_inspect_gives_counts_shape_names_and_histogram(cifar_dir, cifar_tar, wh
 
 
 def test_inspect_synthetic_counts_without_drawing_images(monkeypatch):
-    monkeypatch.setattr(cifar, "render", lambda *a: pytest.fail("inspect drew images"))
+    monkeypatch.setattr(cifar_synthetic, "render", lambda *a: pytest.fail("inspect drew images"))
     info = data.inspect_dataset("synthetic:1003:17")
     assert (info["train"], info["test"], sum(info["class_counts_train"])) == (1003, 17, 1003)
 
@@ -287,7 +290,7 @@ BAD = [
         {b"label_names": [b"x"] * 9})) and str(d), r"batches.meta: 9 class names in label_names"),
     ("malicious pickle", lambda d, t: (d / "data_batch_3").write_bytes(pickle.dumps(
         cifar.SyntheticChunk, protocol=2)) and str(d),
-     r"data_batch_3: refused pickle global pipeline.data.cifar.SyntheticChunk"),
+     r"data_batch_3: refused pickle global pipeline.data.cifar.layout.SyntheticChunk"),
     ("plain file, not an archive", lambda d, t: str(d / "batches.meta"),
      r"batches.meta: corrupt, truncated or not a tar archive"),
     ("truncated archive", lambda d, t: _cut(_tar_of(t, _official(d)), 0.6) or _tar_of(t),
