@@ -19,6 +19,8 @@ PURE = ["augment", "pipeline.core.config", "pipeline.core.errors", "pipeline.cor
         "pipeline.core.interrupt", "pipeline.core.files", "pipeline.core.npz", "pipeline.backends",
         "pipeline.cluster", "pipeline.cluster.watchdog", "pipeline.cluster.assignments",
         "pipeline.data", "pipeline.data.readers", "pipeline.data.imagefolder",
+        *(f"pipeline.data.cifar.{m}" for m in ("layout", "archive", "parse", "py2pickle", "write",
+                                               "synthetic", "source", "task")),
         "pipeline.averaging", "pipeline.averaging.exact", "pipeline.averaging.order",
         "pipeline.averaging.slices", "pipeline.averaging.placement", "pipeline.averaging.cost",
         "pipeline.outputs", "pipeline.outputs.checkpoint", "pipeline.outputs.run_dir",
