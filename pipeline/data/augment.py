@@ -34,6 +34,7 @@ from dask.array.optimization import optimize as array_optimize
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
 import augment as aug
+from pipeline.core import keys
 from pipeline.core.rng import rng_for
 from pipeline.data.readers import Shard
 
@@ -153,7 +154,7 @@ def augment_array(images: da.Array, policy: aug.Compose, seed: int, epoch: int, 
     _check_args(images, seed, epoch, chunk)
     images = images.rechunk({0: chunk, 1: -1, 2: -1, 3: -1})
     token = tokenize(images.name, policy, seed, epoch, chunk)[:8]
-    name, out = f"augment-{token}", f"augmented-{token}"
+    name, out = keys.prefix("augment", token), keys.prefix("augmented", token)
     tasks, aliases = {}, {}
     for j in range(images.numblocks[0]):
         key = (name, epoch, j)

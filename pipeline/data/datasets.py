@@ -30,6 +30,7 @@ from dask.task_spec import Task, TaskRef
 
 from pipeline.data import cifar
 from pipeline.data import images as image_readers
+from pipeline.core import keys
 from pipeline.core.config import DataConfig
 from pipeline.core.errors import DataError
 from pipeline.data.readers import Plan, Reader
@@ -307,7 +308,7 @@ def _arrays(plan: Plan, chunks: tuple, split: str) -> tuple[da.Array, da.Array]:
     """One read task (``load-`` or ``decode-``) per chunk, and the images and labels arrays that
     pick from them."""
     token = tokenize(plan.ident, split)[:8]
-    load, images, labels = (f"{prefix}-{token}" for prefix in (plan.stage, "images", "labels"))
+    load, images, labels = (keys.prefix(name, token) for name in (plan.stage, "images", "labels"))
     load_layer = {(load, i): Task((load, i), plan.read, chunk) for i, chunk in enumerate(chunks)}
     image_layer = {(images, i, 0, 0, 0): Task((images, i, 0, 0, 0), operator.getitem,
                                               TaskRef((load, i)), 0) for i in range(len(chunks))}

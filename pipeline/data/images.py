@@ -21,6 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pipeline.data import imagefolder
+from pipeline.core import keys
 from pipeline.core.config import DataConfig
 from pipeline.core.errors import DataError
 from pipeline.data.readers import Plan, Reader
@@ -149,7 +150,7 @@ def scan(files: tuple, cfg: DataConfig, client=None) -> tuple:
     bounds = _bounds(len(files), cfg.decode_chunk)
     token = tokenize(imagefolder.fingerprint(files), cfg.max_pixels)[:8]
     parts = [dask.delayed(imagefolder.scan_files, pure=True)(
-        files[lo:hi], cfg.max_pixels, dask_key_name=(f"scan-{token}", i))
+        files[lo:hi], cfg.max_pixels, dask_key_name=keys.make("scan", token, i))
         for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]
     if client is not None:
         results = client.gather(client.compute(parts))
