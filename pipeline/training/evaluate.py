@@ -82,16 +82,9 @@ def load_model(out: str | Path):
     config = run_config(out)
     weights = out / "model.npz"
     if not weights.is_file():
-        latest = sorted((out / "checkpoints").glob("round-*"))
-        hint = (f"; its latest checkpoint's weights: {latest[-1] / 'model.npz'}" if latest else "")
+        from pipeline.outputs.fs import checkpoint_dirs
+        latest = checkpoint_dirs(out / "checkpoints")
+        hint = (f"; its latest checkpoint's weights: {latest[-1][1] / 'model.npz'}" if latest
+                else "")
         raise DataError(f"{out} has no model.npz: the run has not finished{hint}")
     return load_weights(config.model.name, str(weights), _n_classes(out, config))
-
-
-def evaluate_run(out: str | Path, source: str | None = None, tta: bool = False) -> dict:
-    """:func:`evaluate_weights` of the model of run ``out``, on ``source`` (default: the run's data)."""
-    out = Path(out)
-    config = run_config(out)
-    load_model(out)  # one line for a run without model.npz, before any data is read
-    return evaluate_weights(config.model.name, str(out / "model.npz"),
-                            source or config.data.source, tta=tta)
