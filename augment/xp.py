@@ -20,11 +20,6 @@ def array_module(array):
     return np
 
 
-def cupy_or_none():
-    """The cupy module if it imported, else None."""
-    return _cupy
-
-
 def to_host(array) -> np.ndarray:
     """Any array -> NumPy array on the host."""
     if _cupy is not None and isinstance(array, _cupy.ndarray):

@@ -9,9 +9,9 @@ On one seeded CIFAR-shaped uint8 batch (N x 3 x 32 x 32), in one process limited
 
 each the best of ``--repeats`` interleaved rounds (other processes share the 2 cores here, so the
 best is the least disturbed run). The loop's output must equal the vectorized one byte for byte.
-Then ``pipeline.data.augment.augment_array`` on a LocalCluster of 1 and of 2 one-thread worker
-processes, the raw batch persisted once with the chunk plan: the time to persist ``--epochs``
-augmented epochs, best of ``--repeats``; both clusters must give the same bytes.
+Then ``augment_array`` (benchmarks/_augment_array.py) on a LocalCluster of 1 and of 2 one-thread
+worker processes, the raw batch persisted once with the chunk plan: the time to persist
+``--epochs`` augmented epochs, best of ``--repeats``; both clusters must give the same bytes.
 
 The last stdout line is one JSON object (vectorized_img_s, per_image_img_s,
 speedup_vs_per_image, fraction_of_memcpy, dask_2w_over_1w, ...).
@@ -87,7 +87,7 @@ def dask_fan_out(images: np.ndarray, policy, seed: int, chunk: int, workers: int
     import dask.array as da
     from distributed import Client, LocalCluster, wait
 
-    from pipeline.data.augment import augment_array
+    from benchmarks._augment_array import augment_array  # importable by the workers too
 
     # The raw batch enters the graph once (from_array, then persisted): no large-graph warning.
     with dask.config.set({"distributed.admin.large-graph-warning-threshold": "1GiB"}), \
@@ -143,6 +143,10 @@ def main(argv=None) -> int:
                                    args.repeats) for w in (1, 2)}
         if timings[1][1] != timings[2][1]:
             raise AssertionError("1 and 2 workers gave different augmented bytes")
+        from pipeline.data.augment import augment_positions
+        if timings[1][1] != augment_positions(images, np.arange(len(images)), policy, args.seed,
+                                              0, args.chunk).tobytes():
+            raise AssertionError("augment_array and training's kernel gave different bytes")
         for w, (seconds, _) in timings.items():
             result[f"dask_{w}w_img_s"] = round(args.epochs * args.n / seconds)
             print(f"dask {w} worker(s): {seconds * 1e3:9.2f} ms for {args.epochs} epochs  "

@@ -1,6 +1,8 @@
-"""Benchmark: pipeline.averaging.cost's check against seed 001 and its speedup predictions to 256 workers.
+"""Benchmark: pipeline.averaging.cost against ChainerMN's measured allreduce, and its speedup
+predictions to 256 workers.
 
-Prints the seed-001 allreduce check, then a markdown table per link of predicted speedup for
+Prints the ChainerMN allreduce check (the JSON keeps its ``seed001_*`` keys, as recorded in
+docs/scaling.md), then a markdown table per link of predicted speedup for
 ``gradient`` (average gradients every step) and ``ipm`` at H = 8 and 32, each with a ring
 allreduce and with our ``average-`` tree (fan-in 2, float64 partials) followed by either the
 star broadcast the graph does now (every worker fetches the result from the root) or a
@@ -8,10 +10,10 @@ binomial one; writes the plot to ``docs/scaling.png`` and ends with one JSON lin
 
     .venv/bin/python benchmarks/scaling.py            # < 5 s, no cluster
 
-Workload: ResNet-50 (seed 001's measured 102,228,384 gradient bytes = 25.6 M float32
-parameters), 32 images per worker per step as in seed 001, and 1/367 s per image: NVIDIA's
-DeepLearningExamples ResNet-50 v1.5 (PyTorch) README reports 367 img/s FP32 training on one
-V100 16 GB (DGX-1). Local terms are this machine's calibrated NumPy averaging
+Workload: ResNet-50 (ChainerMN's measured 102,228,384 gradient bytes = 25.6 M float32
+parameters), 32 images per worker per step as in those ChainerMN runs, and 1/367 s per image:
+NVIDIA's DeepLearningExamples ResNet-50 v1.5 (PyTorch) README reports 367 img/s FP32 training
+on one V100 16 GB (DGX-1). Local terms are this machine's calibrated NumPy averaging
 (``scaling.THIS_MACHINE``) plus one GPU -> host and one host -> GPU copy of L per round over
 PCIe 3.0; the tree adds Dask's per-level task cost, the ring none (an MPI/NCCL collective).
 """
@@ -27,11 +29,24 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pipeline.averaging import cost as scaling  # noqa: E402
-from pipeline.averaging.cost import HUNDRED_GBPS, PCIE3, TEN_GBE, Workload, speedup  # noqa: E402
+from pipeline.averaging.cost import (HUNDRED_GBPS, PCIE3, TEN_GBE, Link, LocalCosts,  # noqa: E402
+                                     Workload, ring_allreduce_time, speedup)
+
+# ChainerMN 1.0, ResNet-50 on ImageNet, 4 Pascal TITAN X per node, 10 GbE: an allreduce of
+# L = 102,228,384 bytes took 0.15 s on 2 nodes and 0.22 s on 4, with 8 Gb/s measured point to
+# point. Its hierarchical communicator reduces over NCCL inside a node, copies GPU -> host, runs
+# an MPI allreduce between nodes (summed on the CPU), copies back and broadcasts over NCCL: four
+# passes of L over PCIe 3.0 besides the network.
+CHAINERMN_BYTES = 102_228_384
+CHAINERMN_MEASURED = {2: 0.15, 4: 0.22}  # nodes -> seconds per allreduce
+CHAINERMN_LINK = Link(bandwidth=8e9 / 8, latency=50e-6)
+CHAINERMN_LOCAL = LocalCosts(reduce_s_per_byte=scaling.THIS_MACHINE.reduce_s_per_byte,
+                             finalize_s_per_byte=0.0,  # NCCL/MPI sum gradients; no divide pass
+                             copy_s_per_byte=4 / PCIE3)
 
 V100_FP32_IMAGES_PER_S = 367  # DeepLearningExamples RN50 v1.5 PyTorch, 1x V100 16GB, FP32
 RESNET50 = Workload(compute_s_per_sample=1 / V100_FP32_IMAGES_PER_S, batch_size=32,
-                    model_bytes=scaling.SEED001_BYTES)
+                    model_bytes=CHAINERMN_BYTES)
 RING_LOCAL = replace(scaling.THIS_MACHINE, copy_s_per_byte=2 / PCIE3, task_s=0.0)
 TREE_LOCAL = replace(scaling.THIS_MACHINE, copy_s_per_byte=2 / PCIE3)
 LINKS = {"10GbE": TEN_GBE, "100Gb/s": HUNDRED_GBPS}
@@ -45,11 +60,21 @@ ALGOS = {"ring": dict(algorithm="ring"),
 WORKERS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 # The averaging algorithms of pipeline/averaging_algorithms across hosts, each with the shard
 # count the model finds fastest (scaling.best_shards; a shard per host until the task count
-# costs more than the bytes). "per host": one worker per host and link, as above; "4/host": seed
-# 001's nodes, four workers sharing a host's link, the tree's fan-in 4 matching them.
+# costs more than the bytes). "per host": one worker per host and link, as above; "4/host":
+# ChainerMN's nodes, four workers sharing a host's link, the tree's fan-in 4 matching them.
 HOSTED = {"tree/binomial": dict(algorithm="tree", broadcast="binomial"),
           "sharded": dict(algorithm="sharded"), "hierarchical": dict(algorithm="hierarchical")}
 PER_HOST = {"1/host": 1, "4/host": 4}
+
+
+def chainermn_check(local: LocalCosts = CHAINERMN_LOCAL, link: Link = CHAINERMN_LINK) -> dict:
+    """Predicted vs measured ChainerMN allreduce seconds per node count, and relative errors."""
+    rows = {}
+    for nodes, measured in CHAINERMN_MEASURED.items():
+        predicted = ring_allreduce_time(CHAINERMN_BYTES, nodes, link, local)
+        rows[nodes] = {"measured_s": measured, "predicted_s": predicted,
+                       "rel_error": (predicted - measured) / measured}
+    return {"nodes": rows, "max_rel_error": max(abs(r["rel_error"]) for r in rows.values())}
 
 
 def hosted(link, series, algo, p, per_host) -> tuple[float, int | None]:
@@ -127,12 +152,12 @@ def main(argv=None) -> dict:
                         help="where the PNG goes, relative to the repository ('' for none)")
     args = parser.parse_args(argv)
 
-    check = scaling.seed001_check()
-    print("Seed 001 allreduce (ring, 8 Gb/s, hierarchical copies over PCIe 3.0):")
+    check = chainermn_check()
+    print("ChainerMN allreduce (ring, 8 Gb/s, hierarchical copies over PCIe 3.0):")
     for nodes, row in check["nodes"].items():
         print(f"  {nodes} nodes: measured {row['measured_s']:.3f} s, predicted "
               f"{row['predicted_s']:.3f} s ({row['rel_error']:+.1%})")
-    bare = scaling.seed001_check(local=scaling.LocalCosts())
+    bare = chainermn_check(local=LocalCosts())
     print(f"  network term alone: max error {bare['max_rel_error']:.1%}")
     print(f"Workload: {RESNET50}; step {RESNET50.step_s * 1e3:.1f} ms")
     print(f"Local costs: ring {RING_LOCAL}\n             tree {TREE_LOCAL}\n")

@@ -11,13 +11,13 @@ Everything is plain arithmetic on a few measured constants (alpha-beta model: a 
     c   per-round copies outside the network, s per model byte (GPU<->host, intra-node NCCL)
     tau scheduling cost per task level (Dask: submit -> worker -> done)
 
-Ring allreduce (Patarasuk & Yuan 2009; seed 001's ``N = 2L(p-1)/p``)::
+Ring allreduce (Patarasuk & Yuan 2009; each worker sends and receives ``2L(p-1)/p`` bytes)::
 
     T_ring(p) = 2(p-1) a + 2(p-1)/p * L/B + (p-1)/p * L g_r + L/p g_f + L c      (0 for p = 1)
 
-Tree of ``average-`` tasks (``pipeline.averaging.reduction.tree_reduce``), reduce then broadcast. Level
-``l`` has width ``w_l`` (``w_0 = p``, ``w_{l+1} = ceil(w_l / f)``) and widest group
-``g_l = min(f, w_l)``; its parent receives ``g_l - 1`` children over its own link. Level-0
+Tree of ``average-`` tasks (``pipeline.averaging.reduction.tree_reduce``), reduce then
+broadcast. Level ``l`` has width ``w_l`` (``w_0 = p``, ``w_{l+1} = ceil(w_l / f)``) and widest
+group ``g_l = min(f, w_l)``; its parent receives ``g_l - 1`` children over its own link. Level-0
 children are the float32 states (``L``), higher ones float64 partial sums (``2L``)::
 
     T_reduce(p) = sum_l [tau + (g_l - 1)(a + b_l/B) + g_l L g_r] + L g_f,   b_0 = L, b_l = 2L
@@ -108,8 +108,9 @@ THIS_MACHINE = LocalCosts(reduce_s_per_byte=4.5e-10, finalize_s_per_byte=7.3e-10
                           task_s=0.015)
 LOOPBACK = Link(bandwidth=1.08e9, latency=0.0)  # worker to worker on this host, same run
 
-# Links for the predictions: effective bandwidth is 80% of the line rate, as seed 001 measured
-# 8 of 10 Gb/s point to point; latencies are typical of TCP on 10 GbE and of RDMA at 100 Gb/s.
+# Links for the predictions: effective bandwidth is 80% of the line rate, as ChainerMN 1.0's
+# ResNet-50 runs measured 8 of 10 Gb/s point to point (benchmarks/scaling.py); latencies are
+# typical of TCP on 10 GbE and of RDMA at 100 Gb/s.
 TEN_GBE = Link(bandwidth=8e9 / 8, latency=50e-6)
 HUNDRED_GBPS = Link(bandwidth=80e9 / 8, latency=5e-6)
 
@@ -408,31 +409,3 @@ def efficiency(work: Workload, p: int, link: Link, local: LocalCosts = LocalCost
                **kwargs) -> float:
     """speedup / p: the fraction of ideal linear scaling."""
     return speedup(work, p, link, local, **kwargs) / p
-
-
-# Seed 001 (ChainerMN 1.0, ResNet-50 on ImageNet, 4 Pascal TITAN X per node, 10 GbE):
-# allreduce of L = 102,228,384 bytes took 0.15 s on 2 nodes and 0.22 s on 4, with 8 Gb/s
-# measured point to point. Its hierarchical communicator reduces over NCCL inside a node,
-# copies GPU -> host, runs an MPI allreduce between nodes (summed on the CPU), copies back and
-# broadcasts over NCCL: four passes of L over PCIe 3.0 besides the network.
-SEED001_BYTES = 102_228_384
-SEED001_MEASURED = {2: 0.15, 4: 0.22}
-SEED001_LINK = Link(bandwidth=8e9 / 8, latency=50e-6)
-SEED001_LOCAL = LocalCosts(reduce_s_per_byte=THIS_MACHINE.reduce_s_per_byte,
-                           finalize_s_per_byte=0.0,  # NCCL/MPI sum gradients; no divide pass
-                           copy_s_per_byte=4 / PCIE3)
-
-
-def seed001_check(local: LocalCosts = SEED001_LOCAL, link: Link = SEED001_LINK) -> dict:
-    """Predicted vs measured seed-001 allreduce seconds per node count, and relative errors.
-
-    >>> check = seed001_check()
-    >>> check["max_rel_error"] < 0.25
-    True
-    """
-    rows = {}
-    for nodes, measured in SEED001_MEASURED.items():
-        predicted = ring_allreduce_time(SEED001_BYTES, nodes, link, local)
-        rows[nodes] = {"measured_s": measured, "predicted_s": predicted,
-                       "rel_error": (predicted - measured) / measured}
-    return {"nodes": rows, "max_rel_error": max(abs(r["rel_error"]) for r in rows.values())}

@@ -78,8 +78,3 @@ def place(workers_by_host: Mapping[str, Sequence[str]], replicas: int) -> Placem
     hosts = [tuple(dict.fromkeys(w for h, w in chosen if h == name)) for name in names]
     return Placement(tuple(names), tuple(hosts), tuple(names.index(h) for h, _ in chosen),
                      tuple(w for _, w in chosen))
-
-
-def single_host(workers: Sequence[str], replicas: int) -> Placement:
-    """Every worker on one host (a LocalCluster)."""
-    return place({"localhost": list(workers)}, replicas)

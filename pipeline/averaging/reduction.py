@@ -18,18 +18,18 @@ Two choices differ from dask, both to move fewer bytes:
   itself). A one-child task would only copy, and would ship float64 sums instead of the
   float32 input.
 
-Keys are ``(f"{name}-{token}", *coords, level, index)``, so the dashboard groups every node of
+Keys are ``keys.make(name, token, *coords, level, index)``, so the dashboard groups every node of
 every round under ``name`` (``key_split``) and the same inputs give the same keys.
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from functools import partial
 
 from dask.utils import key_split
 
 from pipeline.averaging.order import tree_plan
+from pipeline.core import keys
 
 
 def _node(*children, raw: tuple[bool, ...], reduce: Callable, leaf: Callable | None):
@@ -83,15 +83,13 @@ def reduce_local(inputs: Sequence, combine: Callable, finalize: Callable, *, fan
     return _build(inputs, fan_in, make)
 
 
-_TOKEN = re.compile(r"^[0-9a-f]+$")
-
-
 def _prefix(name: str, token: str) -> str:
-    prefix = f"{name}-{token}"
-    if not _TOKEN.match(token) or key_split(prefix) != name:
-        raise ValueError(f"token must be lowercase hex that dask's key_split drops (e.g. 8 hex "
-                         f"digits), got {token!r}: key_split({prefix!r}) = {key_split(prefix)!r}, "
-                         f"not {name!r}")
+    """``keys.prefix``, checked to label the dashboard with ``name`` (``key_split`` drops the
+    token)."""
+    prefix = keys.prefix(name, token)
+    if key_split(prefix) != name:
+        raise ValueError(f"the stage name must be what dask's key_split keeps: "
+                         f"key_split({prefix!r}) = {key_split(prefix)!r}, not {name!r}")
     return prefix
 
 
@@ -102,7 +100,7 @@ def tree_reduce(client, futures: Sequence, combine: Callable, finalize: Callable
     """Submit a tree of ``combine`` tasks over ``futures``; the root applies ``finalize``.
 
     ``futures``: K futures (or values) in replica-index order; each group of ``fan_in``
-    consecutive children becomes the task ``(f"{name}-{token}", *coords, level, index)``
+    consecutive children becomes the task ``keys.make(name, token, *coords, level, index)``
     computing ``combine([leaf(x) for x in children])`` (``leaf`` only for inputs, i.e. in the
     first tasks that see them), and the root ``finalize(combine(...))``, or
     ``combine_finalize(...)`` when given (a fused equivalent such as

@@ -36,7 +36,13 @@ def describe(mode: int) -> str:
     return "not a regular file"
 
 
-def _reason(exc: BaseException) -> str:
+def os_reason(exc: BaseException) -> str:
+    """Why an OS call (or a file parser) failed, for the parentheses of a one-line message: the
+    ``strerror`` when there is one, at most 200 characters.
+
+    >>> os_reason(PermissionError(13, "Permission denied", "/x"))
+    'Permission denied'
+    """
     return one_line(exc, kind=False, limit=200)
 
 
@@ -61,7 +67,7 @@ def open_regular(path: str | os.PathLike, error: type[Exception] = DataError) ->
     except PermissionError:
         raise error(f"{path}: cannot read the file (permission denied)") from None
     except OSError as exc:
-        raise error(f"{path}: cannot read the file ({_reason(exc)})") from None
+        raise error(f"{path}: cannot read the file ({os_reason(exc)})") from None
     try:
         mode = os.fstat(fd).st_mode
         if stat.S_ISDIR(mode):
@@ -104,7 +110,7 @@ def read_capped(path: str | os.PathLike, limit: int, what: str,
         try:
             data = f.read(limit + 1)
         except OSError as exc:
-            raise error(f"{os.fspath(path)}: cannot read the file ({_reason(exc)})") from None
+            raise error(f"{os.fspath(path)}: cannot read the file ({os_reason(exc)})") from None
     check_size(path, len(data), limit, what, error)
     return data
 

@@ -29,15 +29,24 @@ def new_token() -> str:
     return uuid.uuid4().hex[:8]
 
 
+def prefix(stage: str, token: str) -> str:
+    """The head of a key, ``"<stage>-<token>"``; also the name of a dask array's blocks.
+
+    >>> prefix("images", "0123abcd")
+    'images-0123abcd'
+    """
+    if not _TOKEN.match(token):
+        raise ValueError(f"a key token is 8 lowercase hex digits, got {token!r}")
+    return f"{stage}-{token}"
+
+
 def make(stage: str, token: str, *coords) -> tuple:
     """The key of one task.
 
     >>> make("train", "0123abcd", 3, 1)
     ('train-0123abcd', 3, 1)
     """
-    if not _TOKEN.match(token):
-        raise ValueError(f"a key token is 8 lowercase hex digits, got {token!r}")
-    return (f"{stage}-{token}", *coords)
+    return (prefix(stage, token), *coords)
 
 
 def _as_tuple(key):

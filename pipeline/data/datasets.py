@@ -30,6 +30,7 @@ from dask.task_spec import Task, TaskRef
 
 from pipeline.data import cifar
 from pipeline.data import images as image_readers
+from pipeline.core import keys
 from pipeline.core.config import DataConfig
 from pipeline.core.errors import DataError
 from pipeline.data.readers import Plan, Reader
@@ -144,13 +145,35 @@ def parse_synthetic(source: str) -> tuple[int, int] | None:
     return n, m
 
 
+def reader_for(source: str, cfg: DataConfig) -> Reader:
+    """The first registered reader that claims ``source`` (CIFAR claims whatever is left).
+
+    >>> reader_for("synthetic:50:10", DataConfig()).name
+    'synthetic'
+    """
+    source = os.fspath(source)
+    return next(r for r in READERS if r.claims(source, cfg))
+
+
+def checks_on_driver(source: str, cfg: DataConfig) -> bool:
+    """Whether ``source``'s reader checks its files on the driver (synthetic, CIFAR: load the
+    data before a cluster starts) rather than in scan- tasks on the workers (image folders,
+    file lists: load it once a client exists).
+
+    >>> checks_on_driver("synthetic", DataConfig())
+    True
+    """
+    return reader_for(source, cfg).checks_on_driver
+
+
 def _plan(source: str, cfg: DataConfig, download: bool, client=None) -> Plan:
     cfg.validate()
     source = os.fspath(source)
-    reader = next(r for r in READERS if r.claims(source, cfg))
-    if reader.name in ("synthetic", "cifar") and cfg.image_size not in (None, 32):
+    reader = reader_for(source, cfg)
+    side = reader.image_side
+    if side is not None and cfg.image_size not in (None, side):
         raise DataError(f"data.image_size {cfg.image_size} applies to image folders and file "
-                        f"lists; {reader.name} images are 32x32")
+                        f"lists; {reader.name} images are {side}x{side}")
     return reader.plan(source, cfg, download, client)
 
 
@@ -183,10 +206,11 @@ def _synthetic_plan(n_train: int, n_test: int, seed: int) -> Plan:
 # one module with a Reader and its line here.
 READERS: tuple[Reader, ...] = (
     Reader("synthetic", lambda source, cfg: parse_synthetic(source) is not None,
-           _synthetic_reader_plan),
+           _synthetic_reader_plan, checks_on_driver=True, image_side=32),
     image_readers.FILE_LIST,  # lines "path label" (.txt, .lst, ...)
     image_readers.IMAGE_FOLDER,  # a directory of class folders without CIFAR data in it
-    Reader("cifar", lambda source, cfg: True, _cifar_plan),  # python, binary, CIFAR-100, tarballs
+    Reader("cifar", lambda source, cfg: True, _cifar_plan,  # python, binary, CIFAR-100, tarballs
+           checks_on_driver=True, image_side=32),
 )
 
 
@@ -307,7 +331,7 @@ def _arrays(plan: Plan, chunks: tuple, split: str) -> tuple[da.Array, da.Array]:
     """One read task (``load-`` or ``decode-``) per chunk, and the images and labels arrays that
     pick from them."""
     token = tokenize(plan.ident, split)[:8]
-    load, images, labels = (f"{prefix}-{token}" for prefix in (plan.stage, "images", "labels"))
+    load, images, labels = (keys.prefix(name, token) for name in (plan.stage, "images", "labels"))
     load_layer = {(load, i): Task((load, i), plan.read, chunk) for i, chunk in enumerate(chunks)}
     image_layer = {(images, i, 0, 0, 0): Task((images, i, 0, 0, 0), operator.getitem,
                                               TaskRef((load, i)), 0) for i in range(len(chunks))}

@@ -20,11 +20,10 @@ grayscale (``I;16``, ``I``) scaled from 0..65535 to 0..255 (Pillow reads 16-bit 
 RGB itself). The EXIF orientation of photos is applied. Only the first frame of an animation is
 used.
 
-Safety: a file is opened without following it into FIFOs or devices (``O_NONBLOCK``, then
-``fstat`` must say regular file), read with a size cap, and given to Pillow from memory with the
-formats restricted to plain raster ones (no EPS, which would run Ghostscript); the header's pixel
-count is checked against ``max_pixels`` before any pixel is decoded. Every problem is one line
-naming the file.
+Safety: a file is read with ``pipeline.core.files.read_capped`` (never a FIFO or a device, never
+more than a size cap) and given to Pillow from memory with the formats restricted to plain
+raster ones (no EPS, which would run Ghostscript); the header's pixel count is checked against
+``max_pixels`` before any pixel is decoded. Every problem is one line naming the file.
 """
 from __future__ import annotations
 
@@ -40,7 +39,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pipeline.core.errors import DataError, one_line
+from pipeline.core.errors import DataError
+from pipeline.core.files import os_reason, read_capped
 
 # Formats Pillow may open (its plugin names). EPS/PS (Ghostscript), PDF and other exotic plugins
 # are never tried, so a file named .jpg cannot reach them.
@@ -106,7 +106,7 @@ def _listed(path: str, label: int) -> ImageFile:
     try:
         st = os.stat(path)
     except OSError as exc:
-        raise DataError(f"{path}: {_reason(exc)}") from None
+        raise DataError(f"{path}: {os_reason(exc)}") from None
     if not stat.S_ISREG(st.st_mode):
         raise DataError(f"{path}: not a regular file ({_kind(st.st_mode)})")
     return ImageFile(path, label, st.st_size, st.st_mtime_ns)
@@ -121,16 +121,12 @@ def _kind(mode: int) -> str:
     return "not a plain file"
 
 
-def _reason(exc: BaseException) -> str:
-    return one_line(exc, kind=False, limit=200)
-
-
 def class_folders(root: str) -> list[str]:
     """Sorted names of the non-hidden subfolders of ``root`` (the classes)."""
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
     except OSError as exc:
-        raise DataError(f"{root}: cannot list the directory ({_reason(exc)})") from None
+        raise DataError(f"{root}: cannot list the directory ({os_reason(exc)})") from None
     return [e.name for e in entries if not _hidden(e.name) and e.is_dir()]
 
 
@@ -151,7 +147,7 @@ def _class_files(folder: str, label: int) -> list[ImageFile]:
 
 
 def _walk_error(exc: OSError) -> None:
-    raise DataError(f"{exc.filename}: cannot list the directory ({_reason(exc)})")
+    raise DataError(f"{exc.filename}: cannot list the directory ({os_reason(exc)})")
 
 
 def list_folder(root: str, class_names: tuple | None = None) -> Listing:
@@ -255,7 +251,7 @@ def _is_int(text: str) -> bool:
 
 
 def _read_text(path: str) -> str:
-    raw = read_capped(path, MAX_LIST_BYTES)
+    raw = read_capped(path, MAX_LIST_BYTES, "a file list")
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -298,28 +294,6 @@ def fingerprint(files) -> str:
 # Reading one file
 
 
-def read_capped(path: str, cap: int) -> bytes:
-    """All bytes of a regular file of at most ``cap`` bytes; DataError otherwise.
-
-    Opened non-blocking so a FIFO cannot hang the open, then checked with ``fstat``.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        raise DataError(f"{path}: {_reason(exc)}") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise DataError(f"{path}: not a regular file ({_kind(st.st_mode)})")
-        if st.st_size > cap:
-            raise DataError(f"{path}: {st.st_size} bytes, more than the {cap >> 20} MiB an image "
-                            "file may have")
-        data = f.read(cap + 1)
-    if len(data) > cap:
-        raise DataError(f"{path}: grew past {cap >> 20} MiB while being read")
-    return data
-
-
 def _open(path: str, data: bytes, max_pixels: int):
     """Pillow image of ``data`` (header only read), pixel count checked."""
     from PIL import Image, UnidentifiedImageError
@@ -328,9 +302,9 @@ def _open(path: str, data: bytes, max_pixels: int):
     except UnidentifiedImageError:
         raise DataError(f"{path}: not an image Pillow can read as {'/'.join(FORMATS)}") from None
     except Image.DecompressionBombError as exc:
-        raise DataError(f"{path}: refused as a decompression bomb ({_reason(exc)})") from None
+        raise DataError(f"{path}: refused as a decompression bomb ({os_reason(exc)})") from None
     except (OSError, ValueError, SyntaxError, struct.error) as exc:
-        raise DataError(f"{path}: corrupt or truncated image header ({_reason(exc)})") from None
+        raise DataError(f"{path}: corrupt or truncated image header ({os_reason(exc)})") from None
     width, height = image.size
     if width < 1 or height < 1:
         raise DataError(f"{path}: empty image ({width}x{height})")
@@ -346,10 +320,10 @@ def _load(path: str, image) -> None:
     try:
         image.load()
     except Image.DecompressionBombError as exc:
-        raise DataError(f"{path}: refused as a decompression bomb ({_reason(exc)})") from None
+        raise DataError(f"{path}: refused as a decompression bomb ({os_reason(exc)})") from None
     except (OSError, ValueError, SyntaxError, IndexError, struct.error, EOFError,
             ZeroDivisionError) as exc:
-        raise DataError(f"{path}: corrupt or truncated image ({_reason(exc)})") from None
+        raise DataError(f"{path}: corrupt or truncated image ({os_reason(exc)})") from None
 
 
 def to_rgb(image):
@@ -371,7 +345,7 @@ def scan_file(f: ImageFile, max_pixels: int = MAX_PIXELS) -> FileInfo:
     """Check one file the way decoding will read it: header, pixel cap, and every byte of the
     compressed stream (JPEGs decoded at 1/8 scale, which still reads all of it)."""
     try:
-        data = read_capped(f.path, MAX_FILE_BYTES)
+        data = read_capped(f.path, MAX_FILE_BYTES, "an image file")
         image = _open(f.path, data, max_pixels)
         info = (image.size[0], image.size[1], image.format or "?", image.mode)
         if image.format == "JPEG":
@@ -400,7 +374,7 @@ def decode_file(f: ImageFile, size: int, max_pixels: int = MAX_PIXELS) -> np.nda
     across the square (libjpeg's draft mode), several times cheaper than a full decode for
     photos much larger than ``size`` (benchmarks/decode.py)."""
     from PIL import Image
-    data = read_capped(f.path, MAX_FILE_BYTES)
+    data = read_capped(f.path, MAX_FILE_BYTES, "an image file")
     image = _open(f.path, data, max_pixels)
     orientation = _orientation(image)
     width, height = image.size
@@ -414,7 +388,8 @@ def decode_file(f: ImageFile, size: int, max_pixels: int = MAX_PIXELS) -> np.nda
         image = image.resize((size, size), Image.BILINEAR, box=_box(*image.size),
                              reducing_gap=3.0)
     except (OSError, ValueError) as exc:
-        raise DataError(f"{f.path}: cannot convert {image.mode} to RGB ({_reason(exc)})") from None
+        raise DataError(f"{f.path}: cannot convert {image.mode} to RGB "
+                        f"({os_reason(exc)})") from None
     if orientation in _TRANSPOSES:
         image = image.transpose(_TRANSPOSES[orientation])
     return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)

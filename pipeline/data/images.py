@@ -21,6 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pipeline.data import imagefolder
+from pipeline.core import keys
 from pipeline.core.config import DataConfig
 from pipeline.core.errors import DataError
 from pipeline.data.readers import Plan, Reader
@@ -85,8 +86,8 @@ def plan_folder(source: str, cfg: DataConfig, download: bool = False, client=Non
     return _plan(train, val, cfg, "image-folder", root, client)
 
 
-FILE_LIST = Reader("file-list", claims_list, plan_list)
-IMAGE_FOLDER = Reader("image-folder", claims_folder, plan_folder)
+FILE_LIST = Reader("file-list", claims_list, plan_list, checks_on_driver=False)
+IMAGE_FOLDER = Reader("image-folder", claims_folder, plan_folder, checks_on_driver=False)
 
 
 def _val_listing(cfg: DataConfig, class_names: tuple) -> imagefolder.Listing:
@@ -149,7 +150,7 @@ def scan(files: tuple, cfg: DataConfig, client=None) -> tuple:
     bounds = _bounds(len(files), cfg.decode_chunk)
     token = tokenize(imagefolder.fingerprint(files), cfg.max_pixels)[:8]
     parts = [dask.delayed(imagefolder.scan_files, pure=True)(
-        files[lo:hi], cfg.max_pixels, dask_key_name=(f"scan-{token}", i))
+        files[lo:hi], cfg.max_pixels, dask_key_name=keys.make("scan", token, i))
         for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]
     if client is not None:
         results = client.gather(client.compute(parts))

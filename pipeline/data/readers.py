@@ -43,3 +43,8 @@ class Reader(NamedTuple):
     name: str
     claims: Callable
     plan: Callable
+    checks_on_driver: bool  # True: plan reads and checks every file itself, so a run loads the
+    #                         data before a cluster starts; False: files are checked in scan-
+    #                         tasks on the workers (plan needs the client)
+    image_side: int | None = None  # the side of every image when the format fixes it (CIFAR:
+    #                                32); None: resized to data.image_size

@@ -7,5 +7,5 @@ Front: ``prepare``, ``RunDir`` and the rest of ``pipeline.outputs.run_dir``.
 """
 from pipeline.core.exports import lazy
 
-__all__ = ("RUN_FILES", "RUN_DIRS", "prepare", "comparable", "RunDir")
+__all__ = ("RUN_FILES", "RUN_DIRS", "prepare", "RunDir")
 __getattr__ = lazy(__name__, "pipeline.outputs.run_dir", __all__)

@@ -21,9 +21,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pipeline.core import npz
-from pipeline.core.errors import OutputError, ResumeError, one_line
-from pipeline.core.files import MIB, open_regular, read_text
+from pipeline.core import arrays, npz
+from pipeline.core.errors import OutputError, ResumeError
+from pipeline.core.files import MIB, open_regular, os_reason, read_text
 from pipeline.outputs.fs import checkpoint_dirs
 
 KEEP = 2  # checkpoints kept; older ones are removed after a new one is complete
@@ -169,10 +169,9 @@ def first_nonfinite(state: HostState) -> str | None:
         if id(entries) in seen:
             continue
         seen.add(id(entries))
-        for name, value in entries.items():
-            value = np.asarray(value)
-            if value.dtype.kind in "fc" and not np.isfinite(value).all():
-                return f"{label}{name}"
+        name = arrays.first_nonfinite(entries)
+        if name is not None:
+            return f"{label}{name}"
     return None
 
 
@@ -187,7 +186,7 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as exc:
-        raise OutputError(f"cannot write {path}: {_reason(exc)}") from None
+        raise OutputError(f"cannot write {path}: {os_reason(exc)}") from None
     try:
         os.fchmod(fd, usual_mode())
         with os.fdopen(fd, mode) as f:
@@ -197,14 +196,10 @@ def write_atomic(path: Path, data: bytes | str) -> None:
         os.replace(tmp, path)
     except OSError as exc:
         Path(tmp).unlink(missing_ok=True)
-        raise OutputError(f"cannot write {path}: {_reason(exc)}") from None
+        raise OutputError(f"cannot write {path}: {os_reason(exc)}") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def _reason(exc: BaseException) -> str:
-    return one_line(exc, kind=False, limit=160)
 
 
 def save(out: str | Path, state: HostState, model_params: dict, config_dict: dict) -> Path:
@@ -222,7 +217,7 @@ def save(out: str | Path, state: HostState, model_params: dict, config_dict: dic
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}.", suffix=".tmp"))
     except OSError as exc:
-        raise OutputError(f"cannot write checkpoint {final}: {_reason(exc)}") from None
+        raise OutputError(f"cannot write checkpoint {final}: {os_reason(exc)}") from None
     try:
         tmp.chmod(usual_mode(directory=True))
         np.savez(tmp / "model.npz", **model_params)  # streamed: a K=64 state is gigabytes
@@ -240,7 +235,7 @@ def save(out: str | Path, state: HostState, model_params: dict, config_dict: dic
         os.replace(tmp, final)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise OutputError(f"cannot write checkpoint {final}: {_reason(exc)}") from None
+        raise OutputError(f"cannot write checkpoint {final}: {os_reason(exc)}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.core.errors import OutputError, ResumeError, UsageError
-from pipeline.core.files import MIB, open_regular, read_text
+from pipeline.core.files import MIB, open_regular, os_reason, read_text
 
 MARKER = ".dask-chainer-run"
 PREVIOUS = ".previous-run"  # an overwritten run, kept until the new one has a checkpoint
@@ -75,7 +75,7 @@ def claim(out: Path) -> None:
             (out / MARKER).write_text("a run directory of dask-chainer-pipeline: its runs may "
                                       "replace and prune the files they wrote here\n")
     except OSError as exc:
-        raise OutputError(f"cannot create output directory {out}: {_reason(exc)}") from None
+        raise OutputError(f"cannot create output directory {out}: {os_reason(exc)}") from None
 
 
 def set_aside(out: Path, names: tuple = ()) -> list[str]:
@@ -98,17 +98,8 @@ def set_aside(out: Path, names: tuple = ()) -> list[str]:
     except OSError as exc:
         restore(out)
         raise OutputError(f"cannot set the old run in {out} aside for --overwrite "
-                          f"({_reason(exc)}); nothing was replaced") from None
+                          f"({os_reason(exc)}); nothing was replaced") from None
     return present
-
-
-def has_checkpoint(out: Path) -> bool:
-    """Whether ``out`` holds a complete checkpoint (a ``round-NNNNNN`` with its meta.json)."""
-    root = Path(out) / "checkpoints"
-    with contextlib.suppress(OSError):
-        return any(CHECKPOINT_RE.fullmatch(p.name) and (p / "meta.json").is_file()
-                   for p in root.iterdir())
-    return False
 
 
 def commit(out: Path) -> None:
@@ -151,12 +142,16 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _reason(exc: OSError) -> str:
-    return " ".join(str(exc.strerror or exc).split())[:160]
-
-
 # ---------------------------------------------------------------------------------------------
 # Checkpoint directories
+
+
+def has_checkpoint(out: Path) -> bool:
+    """Whether ``out/checkpoints`` holds a checkpoint directory of ours (:func:`checkpoint_dirs`:
+    ``round-NNNNNN``, not a link). Whether it is readable is the loader's question: a damaged
+    one is reported on resume, never taken for no checkpoint. ``checkpoint.save`` renames a
+    whole directory into place, so a run's own checkpoint is complete once it is there."""
+    return bool(checkpoint_dirs(Path(out) / "checkpoints"))
 
 
 def checkpoint_dirs(root: Path) -> list[tuple[int, Path]]:
@@ -208,7 +203,7 @@ def append_lines(path: Path, lines: list[dict]) -> None:
             for line in lines:
                 f.write(dumps(line) + "\n")
     except OSError as exc:
-        raise OutputError(f"cannot write {path}: {_reason(exc)}") from None
+        raise OutputError(f"cannot write {path}: {os_reason(exc)}") from None
 
 
 def read_lines(path: Path, keep: Callable[[dict], bool] = lambda record: True,

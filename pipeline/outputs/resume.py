@@ -12,7 +12,7 @@ from typing import Callable, NamedTuple
 from pipeline.outputs import checkpoint
 from pipeline.outputs.checkpoint import HostState
 from pipeline.core.errors import ResumeError
-from pipeline.outputs.fs import checkpoint_dirs, read_json
+from pipeline.outputs.fs import has_checkpoint, read_json
 
 # Top-level config fields that may differ between a run and its resume: where and how it runs and
 # what it writes beside the metrics, never what it computes.
@@ -37,13 +37,25 @@ class Resume(NamedTuple):
     #                     finished rounds)
 
 
-def comparable(config_dict: dict) -> dict:
-    """The config fields that must be equal for a checkpoint to fit a run.
+def recorded(config) -> dict:
+    """The config a checkpoint records (its meta.json ``config``): every field of the Config
+    but where and how the run ran (RESUMABLE). The epochs stay, since a resume plans the
+    finished rounds by them; :func:`must_match` is the part a resume compares."""
+    return _without_resumable(config.to_dict())
 
-    >>> comparable({"seed": 1, "out": "x", "train": {"lr": 0.1, "epochs": 2}})
+
+def _without_resumable(config_dict: dict) -> dict:
+    return {k: v for k, v in config_dict.items() if k not in RESUMABLE}
+
+
+def must_match(config_dict: dict) -> dict:
+    """The fields of a config dict that must be equal for a checkpoint to fit a run: those
+    :func:`recorded` keeps, less the EXTENDABLE and TRANSPORT ones.
+
+    >>> must_match({"seed": 1, "out": "x", "train": {"lr": 0.1, "epochs": 2}})
     {'seed': 1, 'train': {'lr': 0.1}}
     """
-    kept = {k: v for k, v in config_dict.items() if k not in RESUMABLE}
+    kept = _without_resumable(config_dict)
     for section, key in EXTENDABLE | TRANSPORT:
         if isinstance(kept.get(section), dict):
             kept[section] = {k: v for k, v in kept[section].items() if k != key}
@@ -68,7 +80,7 @@ def check_same_run(saved: dict, now: dict, out: Path) -> None:
     a field the checkpoint's config lacks (added since) counts at its default."""
     if not isinstance(saved, dict):
         raise ResumeError(f"{out}'s checkpoint holds no config (a {type(saved).__name__})")
-    saved, now = comparable(_with_defaults(saved)), comparable(now)
+    saved, now = must_match(_with_defaults(saved)), must_match(now)
     for section in sorted(set(saved) | set(now)):
         a, b = saved.get(section), now.get(section)
         if isinstance(a, dict) and isinstance(b, dict):
@@ -79,11 +91,6 @@ def check_same_run(saved: dict, now: dict, out: Path) -> None:
         elif a != b:
             raise ResumeError(f"{out} was written by a different run: {section} is {a!r} there "
                               f"and {b!r} now")
-
-
-def has_checkpoint(out: Path) -> bool:
-    """Whether ``out/checkpoints`` holds a checkpoint directory of ours (``round-NNNNNN``)."""
-    return bool(checkpoint_dirs(Path(out) / "checkpoints"))
 
 
 def finished(out: Path) -> bool:

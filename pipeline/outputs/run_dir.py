@@ -32,7 +32,7 @@ def prepare(out: str | None, resume: bool, overwrite: bool) -> Path | None:
         rundir.settle(out)  # first: an overwrite that a killed process left half done
     rundir.check(out, resume, overwrite)  # a new or empty directory, or one marked ours
     if not resume and out.is_dir() and (out / "metrics.jsonl").exists() and not overwrite:
-        if not resuming.has_checkpoint(out) and not resuming.finished(out):
+        if not rundir.has_checkpoint(out) and not resuming.finished(out):
             raise UsageError(f"{out} holds a run that stopped before its first checkpoint: start "
                              f"it again with --resume {out}, or replace it with --overwrite")
         raise UsageError(f"{out} already holds a run; resume it with --resume {out} (add --epochs "
@@ -44,12 +44,6 @@ def prepare(out: str | None, resume: bool, overwrite: bool) -> Path | None:
         raise UsageError(f"cannot create output directory {out}: {parent} is not a writable "
                          "directory")
     return out
-
-
-def comparable(config) -> dict:
-    """The config a checkpoint records: all but where and how the run ran (its epochs kept: a
-    resume plans the finished rounds by them)."""
-    return {k: v for k, v in config.to_dict().items() if k not in resuming.RESUMABLE}
 
 
 class RunDir:
@@ -93,11 +87,14 @@ class RunDir:
         return kept
 
     def save_checkpoint(self, state: HostState, model_params: dict) -> None:
-        checkpoint.save(self.path, state, model_params, comparable(self.config))
+        checkpoint.save(self.path, state, model_params, resuming.recorded(self.config))
         rundir.commit(self.path)  # the new run has a checkpoint: an overwritten run may go
 
-    def has_checkpoints(self) -> bool:
-        return self.path is not None and (self.path / "checkpoints").is_dir()
+    def has_checkpoint(self) -> bool:
+        """Whether a resume has a checkpoint to read (``fs.has_checkpoint``)."""
+        return self.path is not None and rundir.has_checkpoint(self.path)
+
+    has_checkpoints = has_checkpoint  # the name pipeline.training.loop calls
 
     def finish(self, model, history: list[dict], rounds: int, labels: dict) -> None:
         """model.npz (Chainer's own format), curves.png and summary.json of a finished run."""

@@ -2,12 +2,11 @@
 test chunk (local threads)."""
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 
 import dask
 
-from pipeline.core import npz
+from pipeline.core import keys, npz
 from pipeline.training import tasks
 from pipeline.core.errors import DataError, UsageError
 from pipeline.backends.chainer.models import build_model, check_model_name
@@ -40,9 +39,9 @@ def evaluate_weights(model_name: str, weights: str, source: str, tta: bool = Fal
     spec = tasks.EvalSpec(model_name, ds.n_classes, tta)
     images = ds.test_images.rechunk({0: chunk}).to_delayed().ravel()
     labels = ds.test_labels.rechunk({0: chunk}).to_delayed().ravel()
-    token = uuid.uuid4().hex[:8]
+    token = keys.new_token()
     parts = [dask.delayed(tasks.evaluate, pure=True)(params, x, y, spec,
-                                                     dask_key_name=(f"evaluate-{token}", i))
+                                                     dask_key_name=keys.make("evaluate", token, i))
              for i, (x, y) in enumerate(zip(images, labels))]
     results = dask.compute(*parts, scheduler="threads")
     n = sum(r["n"] for r in results)
@@ -83,16 +82,9 @@ def load_model(out: str | Path):
     config = run_config(out)
     weights = out / "model.npz"
     if not weights.is_file():
-        latest = sorted((out / "checkpoints").glob("round-*"))
-        hint = (f"; its latest checkpoint's weights: {latest[-1] / 'model.npz'}" if latest else "")
+        from pipeline.outputs.fs import checkpoint_dirs
+        latest = checkpoint_dirs(out / "checkpoints")
+        hint = (f"; its latest checkpoint's weights: {latest[-1][1] / 'model.npz'}" if latest
+                else "")
         raise DataError(f"{out} has no model.npz: the run has not finished{hint}")
     return load_weights(config.model.name, str(weights), _n_classes(out, config))
-
-
-def evaluate_run(out: str | Path, source: str | None = None, tta: bool = False) -> dict:
-    """:func:`evaluate_weights` of the model of run ``out``, on ``source`` (default: the run's data)."""
-    out = Path(out)
-    config = run_config(out)
-    load_model(out)  # one line for a run without model.npz, before any data is read
-    return evaluate_weights(config.model.name, str(out / "model.npz"),
-                            source or config.data.source, tta=tta)

@@ -176,6 +176,15 @@ def test_cache_decision_by_worker_memory():
     assert not image_readers.cache_decision(stream._replace(cache="off"), 1, [])[0]
 
 
+def test_readers_say_whether_they_check_their_files_on_the_driver(folder, tmp_path):
+    cfg = DataConfig()
+    listed = write_list(tmp_path / "train.txt", folder, [("class_0/img_000.jpg", 0)])
+    assert data.checks_on_driver("synthetic:10:10", cfg) and data.checks_on_driver("cifar10", cfg)
+    assert not data.checks_on_driver(str(folder), cfg)
+    assert not data.checks_on_driver(str(listed), cfg)
+    assert all(type(r.checks_on_driver) is bool for r in data.READERS)
+
+
 def test_cifar_sources_refuse_another_image_size():
     with pytest.raises(DataError, match="data.image_size 64 applies to image folders"):
         data.load_dataset("synthetic:10:10", DataConfig(image_size=64))

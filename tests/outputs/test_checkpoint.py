@@ -48,3 +48,39 @@ def test_write_atomic_leaves_old_file_on_failure(tmp_path):
     with pytest.raises(TypeError):
         checkpoint.write_atomic(target, 123)  # neither str nor bytes
     assert target.read_text() == "old" and len(list(tmp_path.iterdir())) == 1
+
+
+def test_has_checkpoint_counts_only_round_directories_of_ours(tmp_path):
+    from pipeline.outputs import fs
+    from pipeline.outputs.run_dir import RunDir
+    (tmp_path / "checkpoints").mkdir()
+    assert not fs.has_checkpoint(tmp_path)
+    assert not RunDir(tmp_path, None).has_checkpoints()  # an empty checkpoints/ holds none
+    elsewhere = checkpoint.save(tmp_path / "other", _state(1), {}, {})
+    (tmp_path / "checkpoints" / elsewhere.name).symlink_to(elsewhere)
+    assert not fs.has_checkpoint(tmp_path)  # a link is never read or pruned, so never counted
+    checkpoint.save(tmp_path, _state(2), {}, {})
+    assert fs.has_checkpoint(tmp_path) and RunDir(tmp_path, None).has_checkpoint()
+
+
+def test_settle_puts_the_old_run_back_when_the_new_one_has_only_a_linked_checkpoint(tmp_path):
+    from pipeline.outputs import fs
+    (tmp_path / "model.npz").write_text("old")
+    fs.set_aside(tmp_path, ("model.npz", "checkpoints"))
+    (tmp_path / "checkpoints").mkdir()
+    elsewhere = checkpoint.save(tmp_path / "other", _state(1), {}, {})
+    (tmp_path / "checkpoints" / elsewhere.name).symlink_to(elsewhere)
+    fs.settle(tmp_path)
+    assert (tmp_path / "model.npz").read_text() == "old"
+
+
+def test_a_checkpoint_records_its_epochs_but_a_resume_may_change_them():
+    from pipeline.core.config import Config
+    from pipeline.outputs import resume
+    config = Config()
+    saved = resume.recorded(config)
+    assert "cluster" not in saved and saved["train"]["epochs"] == config.train.epochs
+    assert "epochs" not in resume.must_match(saved)["train"]
+    longer = config.to_dict()
+    longer["train"] = {**longer["train"], "epochs": config.train.epochs + 1}
+    resume.check_same_run(saved, longer, "run")

@@ -12,6 +12,7 @@ from functools import partial
 from typing import NamedTuple
 
 from pipeline.averaging import slices as sh
+from pipeline.core import keys
 from pipeline.averaging.exact import combine, combine_finalize
 from pipeline.averaging.placement import Placement
 from pipeline.averaging.order import Node, evaluate, ident
@@ -31,7 +32,7 @@ class Context(NamedTuple):
     #                                  payload is consumed (ipm: params + optimizer state)
 
     def key(self, *parts) -> tuple:
-        return (f"{self.name}-{self.token}", *self.coords, *parts)
+        return keys.make(self.name, self.token, *self.coords, *parts)
 
     def submit(self, fn, *args, key, worker: str | None = None):
         """``client.submit`` with a loose pin: on ``worker`` while it lives, else anywhere (a

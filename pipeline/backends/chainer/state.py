@@ -224,7 +224,3 @@ def cached_model(name: str, n_classes: int, device: str = "@numpy") -> chainer.L
 def param_keys(link: chainer.Link) -> list[str]:
     """Keys of trainable parameters (the others in get_state are persistent statistics)."""
     return [path.lstrip("/") for path, _ in link.namedparams()]
-
-
-def is_float(array: np.ndarray) -> bool:
-    return np.issubdtype(np.asarray(array).dtype, np.floating)
