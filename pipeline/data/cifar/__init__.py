@@ -8,7 +8,7 @@ Modules, from the bottom up: ``layout`` (files, limits, the values that name a b
 ``synthetic`` (the synthetic CIFAR-10), ``source`` (find and scan a source) and ``task`` (the
 ``load-`` task).
 """
-from pipeline.data.cifar.archive import limit_of, one_line, read_archive, read_file
+from pipeline.data.cifar.archive import limit_of, read_archive, read_file
 from pipeline.data.cifar.layout import (CIFAR10_LABEL_NAMES, IMAGE_BYTES, IMAGE_SHAPE, LAYOUTS,
                                         MAX_BINARY_BATCH_BYTES, MAX_IMAGES_PER_FILE,
                                         MAX_META_BYTES, MAX_PYTHON_BATCH_BYTES, RECORD_BYTES,
@@ -25,7 +25,7 @@ from pipeline.data.cifar.write import write_binary10, write_python10, write_pyth
 __all__ = ("CIFAR10_LABEL_NAMES", "IMAGE_BYTES", "IMAGE_SHAPE", "LAYOUTS",
            "MAX_BINARY_BATCH_BYTES", "MAX_IMAGES_PER_FILE", "MAX_META_BYTES",
            "MAX_PYTHON_BATCH_BYTES", "RECORD_BYTES", "SPLITS", "TRAIN_BATCHES", "BatchFile",
-           "Catalog", "Layout", "SyntheticChunk", "layout_of_top", "limit_of", "one_line",
+           "Catalog", "Layout", "SyntheticChunk", "layout_of_top", "limit_of",
            "read_archive", "read_file", "parse_batch", "parse_meta", "safe_unpickle", "py2_dumps",
            "locate", "scan", "render", "split_sizes", "synthetic_batch", "synthetic_labels",
            "write_synthetic", "load", "write_binary10", "write_python10", "write_python100",

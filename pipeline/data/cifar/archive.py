@@ -11,18 +11,13 @@ import zlib
 
 from pipeline.core import errors
 from pipeline.core.errors import DataError
-from pipeline.core.files import check_size, open_regular, read_capped
+from pipeline.core.files import check_size, open_regular, os_reason, read_capped
 from pipeline.data.cifar.layout import (LAYOUTS, MAX_BINARY_BATCH_BYTES, MAX_IMAGES_PER_FILE,
                                         MAX_META_BYTES, MAX_PYTHON_BATCH_BYTES, Layout,
                                         layout_of_top)
 
 _MAX_TAR_HEADER = 64 << 10  # a pax or GNU long-name header; ours and the official ones are none
 _MAX_TAR_TRAILER = 1 << 20  # zero padding after the end-of-archive blocks (tar pads to 10 KiB)
-
-
-def one_line(exc: BaseException) -> str:
-    """One line from an exception (``errors.one_line`` without the type, at most 200 chars)."""
-    return errors.one_line(exc, kind=False, limit=200)
 
 
 def limit_of(lay: Layout, name: str) -> tuple[int, str]:
@@ -105,7 +100,7 @@ def read_archive(path: str, wanted: set[str] | None
         raise DataError(f"{path}: not enough memory to read the archive") from None
     except (tarfile.TarError, EOFError, OSError, zlib.error, ValueError) as exc:
         raise DataError(f"{path}: corrupt, truncated or not a tar archive "
-                        f"({one_line(exc)})") from None
+                        f"({os_reason(exc)})") from None
     if top is None:
         raise DataError(f"{path}: the archive is empty")
     return top, out, seen

@@ -13,7 +13,7 @@ import pickletools
 import numpy as np
 
 from pipeline.core.errors import DataError
-from pipeline.data.cifar.archive import one_line
+from pipeline.core.files import os_reason
 from pipeline.data.cifar.layout import IMAGE_BYTES, IMAGE_SHAPE, RECORD_BYTES
 
 
@@ -142,7 +142,7 @@ def _check_opcodes(raw: bytes, where: str) -> None:
         raise
     except Exception as exc:  # ValueError: truncated argument or unknown opcode
         raise DataError(f"{where}: truncated or corrupt pickle ({type(exc).__name__}: "
-                        f"{one_line(exc)})") from None
+                        f"{os_reason(exc)})") from None
 
 
 def _resolve(obj):
@@ -184,7 +184,7 @@ def safe_unpickle(raw: bytes, where: str):
         raise DataError(f"{where}: not enough memory to unpickle it") from None
     except Exception as exc:  # UnpicklingError, EOFError, TypeError from a bad call, ...
         raise DataError(f"{where}: truncated or corrupt pickle ({type(exc).__name__}: "
-                        f"{one_line(exc)})") from None
+                        f"{os_reason(exc)})") from None
 
 
 def _as_dict(obj, where: str) -> dict[str, object]:

@@ -8,7 +8,8 @@ import os
 import numpy as np
 
 from pipeline.core.errors import DataError
-from pipeline.data.cifar.archive import one_line, read_archive, read_file
+from pipeline.core.files import os_reason
+from pipeline.data.cifar.archive import read_archive, read_file
 from pipeline.data.cifar.layout import LAYOUTS, BatchFile, Catalog, Layout, layout_of_top
 from pipeline.data.cifar.parse import parse_batch, parse_meta
 
@@ -71,7 +72,7 @@ def _scan_dir(directory: str, lay: Layout, label_kind: str) -> Catalog:
     try:
         names = set(os.listdir(directory))
     except OSError as exc:
-        raise DataError(f"{directory}: cannot list the directory ({one_line(exc)})") from None
+        raise DataError(f"{directory}: cannot list the directory ({os_reason(exc)})") from None
     _check_names(directory, lay, names)
     paths = {name: os.path.join(directory, name) for name in (*lay.train, *lay.test, lay.meta)}
     files = {name: BatchFile(lay.key, path, None, label_kind) for name, path in paths.items()}

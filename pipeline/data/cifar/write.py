@@ -9,7 +9,7 @@ import tarfile
 import numpy as np
 
 from pipeline.core.errors import DataError
-from pipeline.data.cifar.archive import one_line
+from pipeline.core.files import os_reason
 from pipeline.data.cifar.layout import IMAGE_BYTES, LAYOUTS, Layout
 from pipeline.data.cifar.py2pickle import py2_dumps
 
@@ -100,7 +100,7 @@ def _write_layout(out: str, lay: Layout, files: dict[str, bytes], tar: bool) -> 
             write_tar(os.path.join(out, lay.archive), lay.top,
                       [(name, files[name]) for name in _TAR_ORDER[lay.key]])
     except OSError as exc:
-        raise DataError(f"{out}: cannot write the dataset ({one_line(exc)})") from None
+        raise DataError(f"{out}: cannot write the dataset ({os_reason(exc)})") from None
     return directory
 
 
