@@ -5,137 +5,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from pipeline.cli import options
 from pipeline.core.config import Config
 from pipeline.core.errors import UsageError
 
-# --flag, dotted config field, type, metavar, help, unit of the default. argparse leaves unset
-# options None, so a resume can tell them apart from the saved config's values; the defaults shown
-# in --help are read from Config().
-_TRAIN_OPTIONS = [
-    ("--data", "data.source", str, "SOURCE", "training data: synthetic (5,000 train / 1,000 test "
-     "images made on the fly), synthetic:N:M, cifar10 (the official archive in the cache), a "
-     "CIFAR directory or tarball, an image folder (root/<class>/<image>, optional train/ and "
-     "val/) or a file list (path label)", ""),
-    ("--image-size", "data.image_size", int, "PIXELS", "image folders/lists: side of the square "
-     "images the model sees", ""),
-    ("--val-fraction", "data.val_fraction", float, "F", "image folders/lists without val/: share "
-     "of each class held out", ""),
-    ("--val-data", "data.val_source", str, "SOURCE", "image folders/lists: a folder or file list "
-     "as the val split", ""),
-    ("--image-root", "data.image_root", str, "DIR", "file lists: where relative paths start", ""),
-    ("--cache", "data.cache", str, "MODE", "keep decoded images on the workers: auto (if they "
-     "fit) | on | off", ""),
-    ("--model", "model.name", str, "NAME", "small-cnn (15 k parameters, fast on a CPU) | resnet20 "
-     "| cifar10-2015 | wide-mlp (a 100.9 MB state for communication experiments)", ""),
-    ("--cpu-kernels", "model.cpu_kernels", str, "KIND", "ours | chainer: convolution, pooling "
-     "and BatchNorm on CPU workers by our NumPy kernels or Chainer's functions", ""),
-    ("--strategy", "train.strategy", str, "NAME", "single (one replica) | gradient (one step on "
-     "the replicas' summed gradients) | mixture (replicas averaged once, at the end) | ipm "
-     "(replicas averaged every round) | async (no barrier: each replica's update applied as it "
-     "arrives; docs/strategies.md)", ""),
-    ("--replicas", "train.replicas", int, "K", "model replicas trained side by side (any number "
-     "of workers runs them)", "replicas"),
-    ("--mix-every", "average.mix_every", str, "H", "ipm round length: H local steps (10) or H "
-     "epochs (1ep) between averages", "steps"),
-    ("--epochs", "train.epochs", float, "E", "passes over the training set (fractions allowed); "
-     "with --resume, trains the run on to E epochs", "epochs"),
-    ("--batch-size", "train.batch_size", int, "B", "images per replica per step", "images"),
-    ("--optimizer", "train.optimizer", str, "NAME", "sgd | momentum | adam", ""),
-    ("--lr", "train.lr", float, "LR", "learning rate of each replica (adam: alpha); small-cnn "
-     "with momentum learns at 0.01 to 0.02, not at 0.05", ""),
-    ("--momentum", "train.momentum", float, "M", "momentum of --optimizer momentum", ""),
-    ("--weight-decay", "train.weight_decay", float, "WD", "L2 penalty coefficient", ""),
-    ("--lr-scaling", "train.lr_scaling", str, "RULE", "none | linear | sqrt: multiply --lr by K "
-     "or sqrt(K), for large global batches", ""),
-    ("--warmup-epochs", "train.warmup_epochs", float, "E", "raise the learning rate linearly to "
-     "--lr over the first E epochs", "epochs"),
-    ("--lr-decay", "train.lr_decay", str, "SCHEDULE", "none | cosine: after the warmup, lower "
-     "the learning rate along a half cosine to 0 at --epochs", ""),
-    ("--outer-lr", "average.outer_lr", float, "LR", "ipm: outer learning rate on the averaged "
-     "update (1: plain averaging)", ""),
-    ("--outer-momentum", "average.outer_momentum", float, "M", "ipm: outer Nesterov momentum, as "
-     "in DiLoCo (0: plain averaging)", ""),
-    ("--optimizer-state", "average.optimizer_state", str, "MODE", "ipm: keep | reset | average "
-     "each replica's optimizer state at an average", ""),
-    ("--fan-in", "average.fan_in", int, "N", "inputs per average- task of the averaging tree",
-     "inputs"),
-    ("--average", "average.algorithm", str, "ALGORITHM", "auto (the tree on one host, the cost "
-     "model's fastest across hosts) | tree | sharded (reduce-scatter + all-gather) | hierarchical "
-     "(each host adds its own replicas first); all give the same bits", ""),
-    ("--shards", "average.shards", int, "S", "sharded/hierarchical: shards of the state (0: one "
-     "per host, one per worker on one host)", "shards"),
-    ("--link-gbps", "average.link_gbps", float, "GBPS", "link rate between hosts that --average "
-     "auto's cost model assumes", "Gb/s"),
-    ("--augment", "augment.policy", str, "POLICY", "none | flip | cifar (pad-crop and flip) | "
-     "cifar-cutout | resized-crop (image folders)", ""),
-    ("--beta1", "train.beta1", float, "B", "Adam's first-moment decay", ""),
-    ("--beta2", "train.beta2", float, "B", "Adam's second-moment decay", ""),
-    ("--adam-eps", "train.adam_eps", float, "EPS", "Adam's epsilon", ""),
-    ("--outer-warmup-epochs", "average.outer_warmup_epochs", float, "E", "ipm: the outer lr "
-     "ramps from 1 to --outer-lr over the first E epochs", "epochs"),
-    ("--async-order", "asynchronous.order", str, "ORDER", "async: arrival (whoever finishes "
-     "first) | fixed (slot order: the same weights on any number of workers)", ""),
-    ("--max-staleness", "asynchronous.max_staleness", int, "S", "async: an update waits while "
-     "applying it would leave another replica more than S updates behind (>= K-1)", ""),
-    ("--staleness-scaling", "asynchronous.staleness_scaling", str, "RULE", "async: inverse (an "
-     "update counts 1/(1 + staleness)) | none", ""),
-    ("--async-push", "asynchronous.push", str, "WHAT", "async: delta (H local steps, push new - "
-     "pulled) | gradient (one gradient; the apply- task takes the optimizer step)", ""),
-    ("--replay-updates", "asynchronous.replay_updates", str, "FILE", "async: apply updates in "
-     "the order an arrival run logged to OUT/updates.jsonl (reproduces it byte for byte)", ""),
-    ("--prefetch", "augment.prefetch", int, "N", "rounds of augmentation computed ahead of "
-     "training", "rounds"),
-    ("--seed", "seed", int, "N", "run seed: every random choice derives from it", ""),
-    ("--checkpoint-every", "checkpoint_every", int, "N", "write a checkpoint every N rounds and at "
-     "the end (0: at the end only)", "rounds"),
-    ("--anchor-every", "anchor_every", int, "N", "at most N rounds between anchors: also gather "
-     "the state every N rounds between checkpoints (unwritten) and go on from it as a fresh root, "
-     "which bounds what a lost worker replays and what the workers keep (0: at checkpoints "
-     "only)", "rounds"),
-    ("--eval-every", "eval_every", int, "N", "evaluate on the test set every N rounds as well as "
-     "at each epoch's end (0: epoch ends only)", "rounds"),
-    ("--device", "train.device", str, "NAME", "cpu | gpu | auto (gpu when a worker advertises "
-     "--gpu-resource)", ""),
-    ("--gpu-resource", "train.gpu_resource", str, "NAME", "worker resource that GPU tasks ask "
-     "for", ""),
-    ("--cpu-resource", "train.cpu_resource", str, "NAME", "worker resource that CPU train and "
-     "evaluate tasks ask for when a worker advertises it (dedicated training workers)", ""),
-    ("--loader-workers", "cluster.loader_workers", int, "N", "local cluster: one-thread worker "
-     "processes that only decode and augment; the CPU workers then only train", "workers"),
-    ("--gpu-workers-per-device", "cluster.gpu_workers_per_device", int, "N", "local cluster: GPU "
-     "worker processes per device", "workers"),
-    ("--gpu-threads", "cluster.gpu_threads", int, "N", "local cluster: threads per GPU worker",
-     "threads"),
-    ("--workers", "cluster.workers", int, "N", "local cluster: CPU worker processes", ""),
-    ("--threads-per-worker", "cluster.threads_per_worker", int, "N", "local cluster: threads per "
-     "worker process", "threads"),
-    ("--dashboard-address", "cluster.dashboard_address", str, "HOST:PORT", "local cluster: where "
-     "its dashboard listens (port 0: any free port; a busy port falls back to a free one)", ""),
-    ("--scheduler", "cluster.scheduler", str, "ADDRESS", "a running dask scheduler "
-     "(tcp://HOST:PORT) instead of a local cluster; also $DASK_SCHEDULER_ADDRESS", ""),
-    ("--tls-ca-file", "cluster.tls_ca_file", str, "PEM", "TLS: CA certificate of the cluster", ""),
-    ("--tls-cert", "cluster.tls_cert", str, "PEM", "TLS: this client's certificate", ""),
-    ("--tls-key", "cluster.tls_key", str, "PEM", "TLS: this client's private key", ""),
-    ("--connect-timeout", "cluster.connect_timeout", float, "SECONDS", "how long to wait for the "
-     "scheduler and its workers", "s"),
-    ("--stall-report", "cluster.stall_report", float, "X", "report a task running X times its "
-     "finished peers' median (and --stall-min-seconds)", "x"),
-    ("--stall-retire", "cluster.stall_retire", float, "X", "retire the worker of a task running X "
-     "times its peers' median, so its work is replayed elsewhere (0: never)", "x"),
-    ("--stall-min-seconds", "cluster.stall_min_s", float, "SECONDS", "a task may always run this "
-     "long before it is reported (4 x as long before its worker is retired); a task its worker "
-     "is not computing is assigned again after this long", "s"),
-]
-_CLUSTER_FIELDS = {f for _, f, *_ in _TRAIN_OPTIONS if f.startswith("cluster.")}
-_RECIPE = "the strategy's recipe: for ipm with K > 1 and adam "
-_NO_DEFAULT = {"cluster.workers": "one per core", "cluster.scheduler": "none: a local cluster",
-               "train.lr_scaling": "none",
-               "train.warmup_epochs": _RECIPE + "1, else 0",
-               "average.optimizer_state": _RECIPE + "average, else keep",
-               "average.outer_lr": "1", "average.outer_warmup_epochs": "0",
-               "train.beta1": "0.9", "train.beta2": "0.999", "train.adam_eps": "1e-8",
-               "asynchronous.max_staleness": "no bound"}
-_TOP_LEVEL = ("seed", "checkpoint_every", "anchor_every", "eval_every", "tensorboard", "csv")
+# The train options: every config field declared with a flag (pipeline.core.config.opt).
+TRAIN_OPTIONS = options.options()
+_EVALUATE_DATA = options.pick("data.image_size", "data.val_source", "data.image_root")
 
 TRAIN_DESCRIPTION = """\
 Train a model with K replicas on a Dask cluster (a local one unless --scheduler is given).
@@ -150,79 +26,30 @@ stops the run after the round in progress with a checkpoint (exit 130 or 143); -
 on from there."""
 
 
-def _default(field: str):
-    value = Config()
-    for part in field.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def _help(field: str, text: str, unit: str) -> str:
-    if field in _NO_DEFAULT:
-        return f"{text} (default: {_NO_DEFAULT[field]})"
-    value = _default(field)
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if value == 1 and unit.endswith("s") and len(unit) > 1:
-        unit = unit[:-1]  # "1 round", "1 thread"
-    shown = f"{value} {unit}".strip() if value is not None else "none"
-    return f"{text} (default: {shown})".replace("%", "%%")
-
-
 def add_subcommands(sub) -> None:
     p = sub.add_parser("train", help="train a model on a Dask cluster (see train --help)",
                        description=TRAIN_DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    for flag, field, kind, metavar, text, unit in _TRAIN_OPTIONS:
-        p.add_argument(flag, dest=field, type=kind, default=None, metavar=metavar,
-                       help=_help(field, text, unit))
-    p.add_argument("--no-recipe", dest="train.recipe", action="store_const", const=False,
-                   default=None, help="ipm with K > 1 without the scale-out recipe's defaults "
-                   "(lr scaling, warmup, averaged optimizer state; docs/strategies.md)")
-    p.add_argument("--adaptive-outer", dest="average.adaptive_outer", action="store_const",
-                   const=True, default=None,
-                   help="ipm: outer lr x the replicas' AdaScale gain (1..K)")
-    p.add_argument("--pin-replicas", dest="cluster.pin_replicas", action="store_const",
-                   const=True, default=None,
-                   help="replica k's train tasks prefer worker k mod W, as a rank stays on its "
-                   "device (the default)")
-    p.add_argument("--no-pin-replicas", dest="cluster.pin_replicas", action="store_const",
-                   const=False, default=None,
-                   help="let the scheduler place the replicas' train tasks")
-    p.add_argument("--tta", dest="train.tta", action="store_const", const=True, default=None,
-                   help="evaluate with test-time augmentation (flips and shifted crops)")
-    p.add_argument("--download", dest="data.download", action="store_const", const=True,
-                   default=None, help="download the official CIFAR archive when it is missing")
     p.add_argument("--out", metavar="OUT", default=None,
                    help="output directory (default: runs/STRATEGY-YYYYmmdd-HHMMSS)")
     p.add_argument("--resume", metavar="OUT", default=None,
                    help="go on with the run in OUT from its last checkpoint (with --epochs E: "
                         "train it on to E epochs)")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
-    p.add_argument("--tensorboard", dest="tensorboard", action="store_const", const=True,
-                   default=None, help="also write TensorBoard event files to OUT/tensorboard/")
-    p.add_argument("--csv", dest="csv", action="store_const", const=True, default=None,
-                   help="also write the metrics as OUT/metrics.csv")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    options.add_options(p, TRAIN_OPTIONS, grouped=True)
     p.set_defaults(func=_run_train)
 
     e = sub.add_parser("evaluate", help="test accuracy of a trained model",
                        description="Test loss and accuracy of a trained model, as one JSON line: "
                                    "of the run in --run OUT, or of --weights with --model.")
     e.add_argument("--run", metavar="OUT", help="a run directory written by train")
-    e.add_argument("--model", metavar="NAME", help="model of --weights: small-cnn | resnet20 | "
-                                                   "cifar10-2015")
+    model = e.add_argument("--model", metavar="NAME")
+    model.help = options.defer(lambda: "model of --weights: " + " | ".join(
+        options.choices("model.name")))
     e.add_argument("--weights", metavar="NPZ", help="a model.npz written by train")
     e.add_argument("--data", metavar="SOURCE", help="test data (default with --run: the run's)")
-    e.add_argument("--tta", action="store_true",
-                   help="test-time augmentation (flips and shifted crops)")
-    e.add_argument("--image-size", type=int, default=None, metavar="PIXELS",
-                   help="image folders/lists: the size the model was trained at (default: from "
-                   "config.json beside the weights, else 64)")
-    e.add_argument("--val-data", default=None, metavar="SOURCE",
-                   help="image folders/lists: the val split to use")
-    e.add_argument("--image-root", default=None, metavar="DIR",
-                   help="file lists: where relative paths start")
+    options.add_options(e, options.pick("train.tta"))
+    options.add_options(e, _EVALUATE_DATA, frame="from config.json beside the weights, else {}")
     e.set_defaults(func=_run_evaluate)
 
     d = sub.add_parser("demo", help="the main job: find or synthesize data, preview it, train ipm")
@@ -237,8 +64,7 @@ def add_subcommands(sub) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    given = {k: v for k, v in vars(args).items() if "." in k or k in _TOP_LEVEL}
-    given = {k: v for k, v in given.items() if v is not None}
+    given = options.given(args, TRAIN_OPTIONS)
     if args.resume:
         base = saved_config(Path(args.resume))
         given["out"] = args.resume
@@ -248,7 +74,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             given["out"] = args.out
         if given.get("train.strategy") == "single" and "train.replicas" not in given:
             given["train.replicas"] = 1
-    given["progress"] = not args.no_progress
+    given.setdefault("progress", True)  # the terminal's choice, not the saved run's
     return base.replace(**given)
 
 
@@ -329,7 +155,8 @@ def _run_evaluate(args) -> int:
         raise UsageError(f"evaluate needs --run OUT, or --model, --weights and --data "
                          f"(missing {', '.join(missing)})")
     data = _evaluate_data_config(args)
-    print(dumps(evaluate_weights(args.model, args.weights, args.data, tta=args.tta, data=data)))
+    tta = bool(getattr(args, "train.tta"))
+    print(dumps(evaluate_weights(args.model, args.weights, args.data, tta=tta, data=data)))
     return 0
 
 
@@ -349,10 +176,8 @@ def _evaluate_data_config(args):
         base.validate()
     except (UsageError, ValueError, TypeError, AttributeError, RecursionError):
         base = DataConfig()  # no readable config.json: the defaults
-    given = {"image_size": args.image_size, "val_source": args.val_data,
-             "image_root": args.image_root}
     return dataclasses.replace(base, source=args.data,
-                               **{k: v for k, v in given.items() if v is not None})
+                               **options.section_given(args, _EVALUATE_DATA, "data"))
 
 
 def _demo_data(log, download: bool) -> str:

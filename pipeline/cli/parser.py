@@ -1,9 +1,11 @@
-"""The command line: argument parsing and the mapping of user errors to one line and exit status 2."""
+"""The command line: argument parsing and the mapping of user errors to one line and exit
+status 2."""
 from __future__ import annotations
 
 import argparse
 import sys
 
+from pipeline.cli import options
 from pipeline.core.errors import DivergenceError, Interrupted, UsageError
 
 
@@ -11,9 +13,16 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's default prints usage; we print one line
         raise UsageError(f"{self.prog}: {message}")
 
+    def format_help(self):
+        for action in self._actions:  # help that reads registries: pipeline.cli.options
+            if callable(action.help):
+                action.help = action.help()
+        return super().format_help()
+
 
 def _add_synth(sub):
-    p = sub.add_parser("synth", help="write a synthetic dataset in the official CIFAR-10 python format")
+    p = sub.add_parser("synth",
+                       help="write a synthetic dataset in the official CIFAR-10 python format")
     p.add_argument("--out", required=True, help="directory to write cifar-10-batches-py/ into")
     p.add_argument("--train", type=int, default=5000, help="training images (default 5000)")
     p.add_argument("--test", type=int, default=1000, help="test images (default 1000)")
@@ -29,15 +38,17 @@ def _run_synth(args):
     print(path)
 
 
+_INSPECT_DATA = options.pick("data.image_size", "data.val_source", "data.val_fraction",
+                             "data.image_root")
+
+
 def _add_inspect(sub):
-    p = sub.add_parser("inspect", help="print counts, shape and class histogram of a dataset as JSON")
+    p = sub.add_parser("inspect",
+                       help="print counts, shape and class histogram of a dataset as JSON")
     p.add_argument("--data", required=True, help="synthetic[:N:M], a CIFAR directory or tarball, "
                    "an image folder or a file list")
     p.add_argument("--download", action="store_true", help="fetch the official archive if missing")
-    p.add_argument("--image-size", type=int, default=None, help="image folders/lists: pixels")
-    p.add_argument("--val-data", default=None, help="image folders/lists: the val split")
-    p.add_argument("--val-fraction", type=float, default=None, help="share held out for val")
-    p.add_argument("--image-root", default=None, help="file lists: where relative paths start")
+    options.add_options(p, _INSPECT_DATA)
     p.set_defaults(func=_run_inspect)
 
 
@@ -45,15 +56,14 @@ def _run_inspect(args):
     import dataclasses
     from pipeline.core.config import DataConfig
     from pipeline.data.datasets import inspect_dataset
-    given = {"image_size": args.image_size, "val_source": args.val_data,
-             "val_fraction": args.val_fraction, "image_root": args.image_root}
-    cfg = dataclasses.replace(DataConfig(), **{k: v for k, v in given.items() if v is not None})
+    cfg = dataclasses.replace(DataConfig(), **options.section_given(args, _INSPECT_DATA, "data"))
     from pipeline.outputs.fs import dumps
     print(dumps(inspect_dataset(args.data, download=args.download, cfg=cfg)))
 
 
 def _add_fetch(sub):
-    p = sub.add_parser("fetch", help="download an official CIFAR archive into the cache (MD5-checked)")
+    p = sub.add_parser("fetch",
+                       help="download an official CIFAR archive into the cache (MD5-checked)")
     p.add_argument("--dataset", default="cifar10", choices=["cifar10", "cifar100"])
     p.add_argument("--format", default="python", choices=["python", "binary"])
     p.add_argument("--cache-dir", default=None)
@@ -94,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     except DivergenceError as exc:  # not bad input: the run itself blew up
         print(f"error: {exc}", file=sys.stderr)
         return 3
-    except Interrupted as exc:  # Ctrl-C or SIGTERM: stopped at a round boundary, checkpoint written
+    except Interrupted as exc:  # Ctrl-C or SIGTERM: stopped at a round boundary, checkpointed
         print(str(exc), file=sys.stderr)
         return exc.exit_status
     except KeyboardInterrupt as exc:  # a second signal, or one outside a run: stopped at once

@@ -1,4 +1,5 @@
-"""The run configuration: frozen dataclasses in small sections, validated with errors that name the field."""
+"""The run configuration: frozen dataclasses in small sections, each field described once (its
+metadata), validated with errors that name the field."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,11 +19,28 @@ LR_SCALINGS = ("auto", "none", "linear", "sqrt")
 LR_DECAYS = ("none", "cosine")
 CPU_KERNELS = ("ours", "chainer")
 AVERAGE_ALGORITHMS = ("auto", "tree", "sharded", "hierarchical")
+CACHE_MODES = ("auto", "on", "off")
+DATASETS = ("cifar10", "cifar100")
+LABEL_KINDS = ("fine", "coarse")
 
 
 MAX_EPOCHS = 100_000.0
 MAX_REPLICAS = 4096  # also what a checkpoint may hold (pipeline.outputs.checkpoint.MAX_REPLICAS)
 DAY_S = 86_400.0  # longest timeout: a day
+
+
+def opt(default, help: str, *, flag: str | None = None, metavar: str | None = None,
+        unit: str = "", none: str | None = None, choices: tuple = ()):
+    """A config field with its one description: ``help`` (meaning, and what None or "auto"
+    stands for), ``unit`` of its value and the ``choices`` its validation accepts. With ``flag``
+    it is also an option of ``python -m pipeline train`` (pipeline.cli.options builds them);
+    ``none`` is the default --help shows for None.
+
+    >>> dataclasses.fields(ModelConfig)[0].metadata["flag"]
+    '--model'
+    """
+    return field(default=default, metadata={"help": help, "flag": flag, "metavar": metavar,
+                                            "unit": unit, "none": none, "choices": choices})
 
 
 def _check(condition: bool, name: str, message: str, value) -> None:
@@ -74,22 +92,41 @@ def _in(value, lo, hi, name: str, closed_lo: bool = True, closed_hi: bool = True
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "synthetic"  # "synthetic", "synthetic:N:M" (train:test images), a CIFAR path,
-    #                            an image folder (root/<class>/<image>) or a file list (path label)
-    cache_dir: str | None = None  # where downloads go; None = ~/.cache/dask-chainer-pipeline
-    download: bool = False  # fetch the official archive (MD5-checked) into cache_dir when missing
-    dataset: str = "cifar10"  # cifar10 | cifar100 (python format) ; label kind below for cifar100
-    label_kind: str = "fine"  # CIFAR-100 only: "fine" (100 classes) or "coarse" (20)
-    # Image folders and file lists (pipeline.data.imagefolder):
-    image_size: int | None = None  # side of the square images the model sees (pixels);
-    #                                None = 64 for image sources (CIFAR is always 32)
-    val_fraction: float = 0.1  # share of each class held out for val when there is no val split
-    val_source: str | None = None  # a folder or file list to use as the val split instead
-    image_root: str | None = None  # file lists: where relative paths start (None: the list's dir)
-    split_seed: int = 0  # seed of the held-out val split (a property of the data, not the run)
-    cache: str = "auto"  # keep decoded training images on the workers: auto (if they fit) | on | off
-    max_pixels: int = 1 << 26  # images with more pixels (width x height) are refused
-    decode_chunk: int = 128  # images per scan- / decode- task
+    source: str = opt(
+        "synthetic", "training data: synthetic (5,000 train / 1,000 test images made on the "
+        "fly), synthetic:N:M (N train / M test images), cifar10, cifar10-binary or cifar100 (the "
+        "official archive in the cache), a CIFAR directory or tarball, an image folder "
+        "(root/<class>/<image>, optional train/ and val/) or a file list (path label)",
+        flag="--data", metavar="SOURCE")
+    cache_dir: str | None = opt(None, "where downloads go (also $DASK_CHAINER_CACHE)",
+                                none="~/.cache/dask-chainer-pipeline")
+    download: bool = opt(False, "fetch the official CIFAR archive (MD5-checked) into the cache "
+                         "when it is missing", flag="--download")
+    dataset: str = opt("cifar10", "which CIFAR a directory holds or a download fetches (python "
+                       "format)", choices=DATASETS)
+    label_kind: str = opt("fine", "CIFAR-100 only: fine (100 classes) or coarse (20) labels",
+                          choices=LABEL_KINDS)
+    image_size: int | None = opt(
+        None, "image folders/lists: side of the square images the model sees, 16 to 1024 (CIFAR "
+        "is always 32)", flag="--image-size", metavar="PIXELS", unit="pixels",
+        none="the readers' default (pipeline.data.images.DEFAULT_SIZE)")
+    val_fraction: float = opt(0.1, "image folders/lists without val/: share of each class held "
+                              "out for val by a seeded split (data.split_seed)",
+                              flag="--val-fraction", metavar="F")
+    val_source: str | None = opt(None, "image folders/lists: a folder or file list to use as the "
+                                 "val split", flag="--val-data", metavar="SOURCE",
+                                 none="val/, else the --val-fraction held out")
+    image_root: str | None = opt(None, "file lists: where relative paths start",
+                                 flag="--image-root", metavar="DIR", none="the list's directory")
+    split_seed: int = opt(0, "seed of the held-out val split (a property of the data, not the "
+                          "run)")
+    cache: str = opt("auto", "keep decoded training images on the workers (auto: when they take "
+                     "at most a quarter of the smallest worker's memory; otherwise each round "
+                     "decodes its shard again)", flag="--cache", metavar="MODE",
+                     choices=CACHE_MODES)
+    max_pixels: int = opt(1 << 26, "images with more pixels (width x height) are refused",
+                          unit="pixels")
+    decode_chunk: int = opt(128, "images per scan- / decode- task", unit="images")
 
     def validate(self) -> None:
         _check_types(self, "data.")
@@ -99,22 +136,27 @@ class DataConfig:
         _check(0 < self.val_fraction < 1, "data.val_fraction", "must be in (0, 1)",
                self.val_fraction)
         _check(self.split_seed >= 0, "data.split_seed", "must be >= 0", self.split_seed)
-        _check(self.cache in ("auto", "on", "off"), "data.cache", "must be auto, on or off",
+        _check(self.cache in CACHE_MODES, "data.cache", "must be auto, on or off",
                self.cache)
         _check(self.max_pixels >= 1, "data.max_pixels", "must be >= 1", self.max_pixels)
         _check(self.decode_chunk >= 1, "data.decode_chunk", "must be >= 1", self.decode_chunk)
-        _check(self.dataset in ("cifar10", "cifar100"), "data.dataset", "must be cifar10 or cifar100",
+        _check(self.dataset in DATASETS, "data.dataset", "must be cifar10 or cifar100",
                self.dataset)
-        _check(self.label_kind in ("fine", "coarse"), "data.label_kind", "must be fine or coarse",
+        _check(self.label_kind in LABEL_KINDS, "data.label_kind", "must be fine or coarse",
                self.label_kind)
 
 
 @dataclass(frozen=True)
 class AugmentConfig:
-    policy: str = "cifar"  # name from augment.POLICIES: none | flip | cifar | cifar-cutout
-    chunk: int = 1000  # images per augment- seed chunk (global index ranges, not per worker)
-    resource: str = "CPU"  # worker resource that augment- tasks ask for when a worker advertises it
-    prefetch: int = 1  # rounds of augmentation computed ahead of training (memory: depth x shard)
+    policy: str = opt("cifar", "augmentation of the training images (cifar: pad, crop and flip; "
+                      "cifar-cutout: and cutout; resized-crop: torchvision's RandomResizedCrop "
+                      "and flip, for image folders)", flag="--augment", metavar="POLICY")
+    chunk: int = opt(1000, "images per augment- seed chunk (global index ranges, not per worker)",
+                     unit="images")
+    resource: str = opt("CPU", "worker resource that augment- tasks ask for when a worker "
+                        "advertises it")
+    prefetch: int = opt(1, "rounds of augmentation computed ahead of training (memory: depth x "
+                        "shard)", flag="--prefetch", metavar="N", unit="rounds")
 
     def validate(self) -> None:
         _check_types(self, "augment.")
@@ -126,44 +168,73 @@ class AugmentConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str = "small-cnn"  # key of pipeline.backends.chainer.models.MODELS
-    n_classes: int = 10  # output units; taken from the data when it says otherwise
-    cpu_kernels: str = "ours"  # convolution/pooling/BatchNorm on NumPy: ours (pipeline.backends.chainer.cpu_kernels,
-    #                            2-3.7x faster) | chainer (Chainer's functions); CuPy: Chainer's
+    name: str = opt("small-cnn", "the model (small-cnn: 15 k parameters, fast on a CPU; "
+                    "wide-mlp: a 100.9 MB state for communication experiments)", flag="--model",
+                    metavar="NAME")
+    n_classes: int = opt(10, "output units; taken from the data when it says otherwise")
+    cpu_kernels: str = opt("ours", "what runs convolution, pooling and BatchNorm on CPU workers "
+                           "(ours: the NumPy kernels of pipeline.backends.chainer.cpu_kernels, "
+                           "2.9-3.7x faster per step at batch 100, docs/benchmarks.md; chainer: "
+                           "Chainer's functions, which GPU workers always run)",
+                           flag="--cpu-kernels", metavar="KIND", choices=CPU_KERNELS)
 
     def validate(self) -> None:
         _check_types(self, "model.")
         _in(self.n_classes, 2, 100_000, "model.n_classes")
-        _check(self.cpu_kernels in CPU_KERNELS, "model.cpu_kernels", f"must be one of {CPU_KERNELS}",
-               self.cpu_kernels)
+        _check(self.cpu_kernels in CPU_KERNELS, "model.cpu_kernels",
+               f"must be one of {CPU_KERNELS}", self.cpu_kernels)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    strategy: str = "ipm"  # single | gradient | mixture | ipm | async (pipeline.training.strategies)
-    replicas: int = 4  # K model replicas; independent of the number of workers
-    epochs: float = 2.0  # passes over the training set (fractions allowed, e.g. 0.5)
-    batch_size: int = 64  # images per replica per step (B); gradient's global batch is K x B
-    optimizer: str = "momentum"  # sgd | momentum | adam
-    lr: float = 0.01  # replica learning rate (Adam: alpha), before scaling and warmup
-    momentum: float = 0.9  # momentum optimizer only
-    weight_decay: float = 0.0  # L2 coefficient, applied by the optimizer
-    beta1: float | None = None  # Adam's first-moment decay; None: the recipe's (plain 0.9)
-    beta2: float | None = None  # Adam's second-moment decay; None: the recipe's (plain 0.999)
-    adam_eps: float | None = None  # Adam's epsilon; None: the recipe's (plain 1e-8)
-    lr_scaling: str = "auto"  # none | linear | sqrt: multiply lr by K or sqrt(K) (Horovod, seed
-    #                           004); auto: the strategy's recipe (none unless it says otherwise)
-    warmup_epochs: float | None = None  # linear lr warmup over this many epochs (seed 004);
-    #                                     None: the strategy's recipe (0 unless it says otherwise)
-    lr_decay: str = "none"  # none | cosine: after the warmup, lower the lr along a half cosine
-    #                         to 0 at train.epochs (the horizon: --resume --epochs changes it)
-    recipe: bool = True  # fill "auto" fields with the strategy's scale-out recipe for K > 1
-    #                      (docs/scaling.md); False: the plain values
-    device: str = "cpu"  # cpu | gpu | auto (gpu when a worker advertises the GPU resource)
-    gpu_resource: str = "GPU"  # worker resource name that GPU train- tasks ask for
-    cpu_resource: str = "TRAIN"  # worker resource that CPU train-/evaluate- tasks ask for when a
-    #                              worker advertises it (training workers beside loader workers)
-    tta: bool = False  # evaluate with test-time augmentation (flip + shifted crops)
+    """Fields listed in ``Strategy.PLAIN`` (pipeline.training.strategies.base) left None or
+    "auto" are filled by the strategy: its recipe, else the plain values."""
+
+    strategy: str = opt("ipm", "how the replicas work together (single: one replica; gradient: "
+                        "one step on their mean gradient; mixture: averaged once, at the end; "
+                        "ipm: averaged every round; async: no barrier, each replica's update "
+                        "applied as it arrives; docs/strategies.md)", flag="--strategy",
+                        metavar="NAME")
+    replicas: int = opt(4, "K model replicas trained side by side, by any number of workers",
+                        flag="--replicas", metavar="K", unit="replicas")
+    epochs: float = opt(2.0, "passes over the training set (fractions allowed); with --resume, "
+                        "the run trains on to this many", flag="--epochs", metavar="E",
+                        unit="epochs")
+    batch_size: int = opt(64, "images per replica per step (B); gradient's global batch is K x B",
+                          flag="--batch-size", metavar="B", unit="images")
+    optimizer: str = opt("momentum", "the replicas' optimizer", flag="--optimizer",
+                         metavar="NAME", choices=OPTIMIZERS)
+    lr: float = opt(0.01, "learning rate of each replica (adam: alpha), before scaling and "
+                    "warmup; small-cnn with momentum learns at 0.01 to 0.02, not at 0.05",
+                    flag="--lr", metavar="LR")
+    momentum: float = opt(0.9, "momentum of the momentum optimizer", flag="--momentum",
+                          metavar="M")
+    weight_decay: float = opt(0.0, "L2 penalty coefficient, applied by the optimizer",
+                              flag="--weight-decay", metavar="WD")
+    beta1: float | None = opt(None, "Adam's first-moment decay", flag="--beta1", metavar="B")
+    beta2: float | None = opt(None, "Adam's second-moment decay", flag="--beta2", metavar="B")
+    adam_eps: float | None = opt(None, "Adam's epsilon", flag="--adam-eps", metavar="EPS")
+    lr_scaling: str = opt("auto", "multiply the lr by K (linear) or sqrt(K) (sqrt), for large "
+                          "global batches (Goyal et al. 2017)",
+                          flag="--lr-scaling", metavar="RULE", choices=LR_SCALINGS)
+    warmup_epochs: float | None = opt(None, "raise the learning rate linearly to the lr over the "
+                                      "first this many epochs", flag="--warmup-epochs",
+                                      metavar="E", unit="epochs")
+    lr_decay: str = opt("none", "after the warmup, lower the learning rate along a half cosine "
+                        "to 0 at train.epochs (the horizon: --resume --epochs moves it)",
+                        flag="--lr-decay", metavar="SCHEDULE", choices=LR_DECAYS)
+    recipe: bool = opt(True, "fill the settings left open with the strategy's scale-out recipe "
+                       "(docs/strategies.md), else with their plain values; settings given "
+                       "explicitly always win", flag="--recipe")
+    device: str = opt("cpu", "where train- tasks run (auto: gpu when a worker advertises "
+                      "--gpu-resource)", flag="--device", metavar="NAME", choices=DEVICES)
+    gpu_resource: str = opt("GPU", "worker resource that GPU train- tasks ask for",
+                            flag="--gpu-resource", metavar="NAME")
+    cpu_resource: str = opt("TRAIN", "worker resource that CPU train- and evaluate- tasks ask for "
+                            "when a worker advertises it (training workers beside loader "
+                            "workers)", flag="--cpu-resource", metavar="NAME")
+    tta: bool = opt(False, "evaluate with test-time augmentation (flips and shifted crops)",
+                    flag="--tta")
 
     def validate(self) -> None:
         _check_types(self, "train.")
@@ -204,22 +275,36 @@ _MIX_RE = re.compile(r"^(\d{1,9})(ep)?$")  # nine digits: a billion steps is pas
 
 @dataclass(frozen=True)
 class AverageConfig:
-    mix_every: str | int = "10"  # ipm period H: "10" = 10 local steps, "1ep" = one epoch
-    fan_in: int = 4  # children per average- task in the reduction tree (dask's split_every);
-    #                  fewer levels move fewer float64 partial sums (benchmarks/averaging.py)
-    outer_lr: float | None = None  # outer optimizer on the averaged update (DiLoCo); 1 = plain
-    #                                averaging; None: the strategy's recipe (1 unless it says)
-    outer_momentum: float = 0.0  # Nesterov momentum of the outer optimizer; 0 = plain averaging
-    outer_warmup_epochs: float | None = None  # outer lr ramps from 1 to outer_lr over these
-    #                                           epochs; None: the strategy's recipe (0 otherwise)
-    adaptive_outer: bool | None = None  # multiply the outer lr by the replicas' AdaScale gain
-    #                                     (1..K); None: the strategy's recipe (off otherwise)
-    optimizer_state: str = "auto"  # keep | reset | average the replicas' optimizer state at a
-    #                                mix; auto: the strategy's recipe (keep unless it says)
-    algorithm: str = "auto"  # auto | tree | sharded | hierarchical (pipeline.averaging.algorithms);
-    #                          auto: tree on one host, else the cost model's fastest. Same bits.
-    shards: int = 0  # S of sharded/hierarchical: 0 = one per host (one per worker on one host)
-    link_gbps: float = 10.0  # link rate between hosts that auto's cost model assumes, Gb/s
+    """As in TrainConfig, the strategy fills the fields of Strategy.PLAIN left None or "auto"."""
+
+    mix_every: str | int = opt("10", "round length H: 10 = ten local steps, 1ep = one epoch (ipm "
+                               "averages after each round; async's delta pushes after H steps)",
+                               flag="--mix-every", metavar="H", unit="steps")
+    # Fewer levels move fewer float64 partial sums (benchmarks/averaging.py).
+    fan_in: int = opt(4, "inputs per average- task of the reduction tree (dask's split_every)",
+                      flag="--fan-in", metavar="N", unit="inputs")
+    outer_lr: float | None = opt(None, "ipm: outer learning rate on the averaged update, as in "
+                                 "DiLoCo (1: plain averaging)", flag="--outer-lr", metavar="LR")
+    outer_momentum: float = opt(0.0, "ipm: outer Nesterov momentum, as in DiLoCo (0: plain "
+                                "averaging)", flag="--outer-momentum", metavar="M")
+    outer_warmup_epochs: float | None = opt(None, "ipm: the outer lr ramps from 1 to the outer lr "
+                                            "over the first this many epochs",
+                                            flag="--outer-warmup-epochs", metavar="E",
+                                            unit="epochs")
+    adaptive_outer: bool | None = opt(None, "ipm: multiply the outer lr by the replicas' "
+                                      "AdaScale gain (1..K)", flag="--adaptive-outer")
+    optimizer_state: str = opt("auto", "what ipm does with the replicas' optimizer state at an "
+                               "average", flag="--optimizer-state", metavar="MODE",
+                               choices=OPT_STATE_MODES)
+    algorithm: str = opt("auto", "how the replicas' state is averaged (auto: the tree on one "
+                         "host, the cost model's fastest across hosts; sharded: reduce-scatter + "
+                         "all-gather; hierarchical: each host adds its own replicas first); all "
+                         "give the same bits (pipeline.averaging.algorithms)", flag="--average",
+                         metavar="ALGORITHM", choices=AVERAGE_ALGORITHMS)
+    shards: int = opt(0, "sharded/hierarchical: shards S of the state (0: one per host, one per "
+                      "worker on one host)", flag="--shards", metavar="S", unit="shards")
+    link_gbps: float = opt(10.0, "link rate between hosts that auto's cost model assumes",
+                           flag="--link-gbps", metavar="GBPS", unit="Gb/s")
 
     def validate(self) -> None:
         _check_types(self, "average.")
@@ -255,11 +340,21 @@ STALENESS_SCALINGS = ("inverse", "none")
 
 @dataclass(frozen=True)
 class AsyncConfig:
-    order: str = "arrival"  # arrival (whoever finishes first) | fixed (slot order, reproducible)
-    max_staleness: int | None = None  # a replica that would be staler than this waits; None = no bound
-    staleness_scaling: str = "inverse"  # inverse: an update counts 1/(1 + staleness) | none
-    push: str = "delta"  # delta: H local steps, push new - pulled | gradient: one gradient
-    replay_updates: str | None = None  # an arrival run's updates.jsonl: apply in its order
+    order: str = opt("arrival", "the order async applies updates in (arrival: whoever finishes "
+                     "first; fixed: slot order, the same weights on any number of workers)",
+                     flag="--async-order", metavar="ORDER", choices=ASYNC_ORDERS)
+    max_staleness: int | None = opt(None, "async: an update waits while applying it would leave "
+                                    "another replica more than S updates behind (S >= K - 1)",
+                                    flag="--max-staleness", metavar="S", none="no bound")
+    staleness_scaling: str = opt("inverse", "what a stale async update counts (inverse: 1/(1 + "
+                                 "staleness); none: fully)", flag="--staleness-scaling",
+                                 metavar="RULE", choices=STALENESS_SCALINGS)
+    push: str = opt("delta", "what an async replica pushes (delta: H local steps, new - pulled; "
+                    "gradient: one gradient, the apply- task takes the optimizer step)",
+                    flag="--async-push", metavar="WHAT", choices=ASYNC_PUSHES)
+    replay_updates: str | None = opt(None, "async: apply updates in the order an arrival run "
+                                     "logged to OUT/updates.jsonl (reproduces it byte for byte)",
+                                     flag="--replay-updates", metavar="FILE")
 
     def validate(self) -> None:
         _check_types(self, "asynchronous.")
@@ -275,35 +370,56 @@ class AsyncConfig:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    scheduler: str | None = None  # address of a running `dask scheduler`; None = own LocalCluster
-    workers: int | None = None  # LocalCluster workers; None = sized for the machine
-    threads_per_worker: int = 1  # LocalCluster threads per worker (= BLAS threads per task)
-    dashboard_address: str = "127.0.0.1:8787"  # LocalCluster dashboard HOST:PORT; a busy port
-    #                                             falls back to a free one; port 0 = any free port
-    tls_ca_file: str | None = None  # TLS: CA certificate that signed scheduler and workers
-    tls_cert: str | None = None  # TLS: this client's certificate
-    tls_key: str | None = None  # TLS: this client's private key
-    connect_timeout: float = 10.0  # seconds to wait for the scheduler before giving up
-    resource_timeout: float = 5.0  # seconds to wait for a worker with a needed resource
-    pin_replicas: bool = True  # replica k's train- tasks prefer worker k mod W (sorted by name;
-    #                            beside workers without the train resource: asking for the
-    #                            RANK-i resource of a ranked worker), as a rank stays on its GPU;
-    #                            off: the scheduler places them (it stacks replicas on one
-    #                            worker in some rounds: placement.py)
-    gpu_workers_per_device: int = 1  # LocalCluster GPU worker processes per device (replicas
-    #                                  share the device by time-slicing; benchmarks/gpu.py)
-    gpu_threads: int = 1  # LocalCluster threads per GPU worker (concurrent train- tasks in one
-    #                       process and CUDA context)
-    loader_workers: int = 0  # LocalCluster one-thread worker processes that only load (decode-,
-    #                          augment-); the CPU workers then only train (train.cpu_resource)
-    # The stalled-task watchdog (pipeline.cluster.watchdog): a task running stall_report x its peers'
-    # median is reported, past stall_retire x the median its worker is retired so the work is
-    # replayed elsewhere; neither before it has run stall_min_s seconds. 0 turns retiring off.
-    # A task a live worker has not been computing for stall_min_s (a lost assignment, e.g. it
-    # never got it) is assigned again.
-    stall_report: float = 5.0  # multiple of the peers' median task time
-    stall_retire: float = 20.0  # multiple of the peers' median task time; 0 = never retire
-    stall_min_s: float = 60.0  # seconds a task may always run, whatever its peers take
+    scheduler: str | None = opt(None, "a running dask scheduler (tcp://HOST:PORT) instead of a "
+                                "local cluster; also $DASK_SCHEDULER_ADDRESS", flag="--scheduler",
+                                metavar="ADDRESS", none="none: a local cluster")
+    workers: int | None = opt(None, "local cluster: CPU worker processes", flag="--workers",
+                              metavar="N", none="the cores that GPU and loader workers leave, "
+                              "over --threads-per-worker")
+    threads_per_worker: int = opt(1, "local cluster: threads per worker process (= BLAS threads "
+                                  "per task)", flag="--threads-per-worker", metavar="N",
+                                  unit="threads")
+    dashboard_address: str = opt("127.0.0.1:8787", "local cluster: where its dashboard listens "
+                                 "(port 0: any free port; a busy port falls back to a free one)",
+                                 flag="--dashboard-address", metavar="HOST:PORT")
+    tls_ca_file: str | None = opt(None, "TLS: CA certificate that signed the scheduler and "
+                                  "workers", flag="--tls-ca-file", metavar="PEM")
+    tls_cert: str | None = opt(None, "TLS: this client's certificate", flag="--tls-cert",
+                               metavar="PEM")
+    tls_key: str | None = opt(None, "TLS: this client's private key", flag="--tls-key",
+                              metavar="PEM")
+    connect_timeout: float = opt(10.0, "how long to wait for the scheduler and its workers",
+                                 flag="--connect-timeout", metavar="SECONDS", unit="s")
+    resource_timeout: float = opt(5.0, "how long to wait for a worker with a needed resource",
+                                  unit="s")
+    # Unpinned, the scheduler stacks replicas on one worker in some rounds (placement.py).
+    pin_replicas: bool = opt(True, "replica k's train- tasks prefer worker k mod W (sorted by "
+                             "name; beside loader or CPU workers, by the RANK-i resource of a "
+                             "ranked worker), as a rank stays on its device; off: the scheduler "
+                             "places them", flag="--pin-replicas")
+    gpu_workers_per_device: int = opt(1, "local cluster: GPU worker processes per device (the "
+                                      "replicas share it by time-slicing; benchmarks/gpu.py)",
+                                      flag="--gpu-workers-per-device", metavar="N",
+                                      unit="workers")
+    gpu_threads: int = opt(1, "local cluster: threads per GPU worker (concurrent train- tasks in "
+                           "one process and CUDA context)", flag="--gpu-threads", metavar="N",
+                           unit="threads")
+    loader_workers: int = opt(0, "local cluster: one-thread worker processes that only decode "
+                              "and augment; the CPU workers then only train "
+                              "(--cpu-resource)", flag="--loader-workers", metavar="N",
+                              unit="workers")
+    # The stalled-task watchdog: pipeline.cluster.watchdog.
+    stall_report: float = opt(5.0, "report a task running X times its finished peers' median "
+                              "(and at least --stall-min-seconds)", flag="--stall-report",
+                              metavar="X", unit="x")
+    stall_retire: float = opt(20.0, "retire the worker of a task running X times its peers' "
+                              "median, so its work is replayed elsewhere (0: never)",
+                              flag="--stall-retire", metavar="X", unit="x")
+    stall_min_s: float = opt(60.0, "a task may always run this long before it is reported "
+                             "(--stall-retire / --stall-report times as long before its worker is "
+                             "retired); a task its worker is not computing is assigned again "
+                             "after this long", flag="--stall-min-seconds", metavar="SECONDS",
+                             unit="s")
 
     def validate(self) -> None:
         _check_types(self, "cluster.")
@@ -337,20 +453,29 @@ class Config:
     average: AverageConfig = field(default_factory=AverageConfig)
     asynchronous: AsyncConfig = field(default_factory=AsyncConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    seed: int = 0  # the run seed; every random stream derives from it (pipeline.core.rng)
-    out: str | None = None  # output directory (metrics.jsonl, model.npz, curves.png, checkpoints)
-    eval_every: int = 0  # evaluate every N rounds as well as at each epoch end; 0 = epochs only
-    checkpoint_every: int = 10  # checkpoint every N rounds (and at the end); 0 = end only
-    # At most this many rounds between anchors: where checkpoints are further apart (or off, or
-    # there is no --out) the driver also gathers the state every N rounds and restarts from it
-    # as a fresh root, unwritten. Bounds what a lost worker replays and the lineage a worker
-    # keeps (distributed keeps a released task's record while a task computed from it on that
-    # worker is alive: an unbroken chain of rounds grows a worker ~40 KiB a round). 0 = anchors
-    # at checkpoints only.
-    anchor_every: int = 100
-    progress: bool = True  # show a progress bar on stderr
-    tensorboard: bool = False  # also write TensorBoard event files to OUT/tensorboard/
-    csv: bool = False  # also write the metrics as OUT/metrics.csv (one row per round)
+    seed: int = opt(0, "run seed: every random stream derives from it (pipeline.core.rng)",
+                    flag="--seed", metavar="N")
+    out: str | None = opt(None, "output directory (metrics.jsonl, model.npz, curves.png, "
+                          "checkpoints/)", none="no outputs")
+    eval_every: int = opt(0, "evaluate on the test set every N rounds as well as at each epoch's "
+                          "end (0: epoch ends only)", flag="--eval-every", metavar="N",
+                          unit="rounds")
+    checkpoint_every: int = opt(10, "write a checkpoint every N rounds and at the end (0: at the "
+                                "end only)", flag="--checkpoint-every", metavar="N",
+                                unit="rounds")
+    # Distributed keeps a released task's record while a task computed from it on that worker is
+    # alive: an unbroken chain of rounds grows a worker ~40 KiB a round.
+    anchor_every: int = opt(100, "at most N rounds between anchors: where checkpoints are further "
+                            "apart (or off, or there is no output directory) the state is also "
+                            "gathered every N rounds, unwritten, and the run goes on from it as "
+                            "a fresh root, which bounds what a lost worker replays and what the "
+                            "workers keep (0: at checkpoints only)", flag="--anchor-every",
+                            metavar="N", unit="rounds")
+    progress: bool = opt(True, "show a progress bar on stderr", flag="--progress")
+    tensorboard: bool = opt(False, "also write TensorBoard event files to OUT/tensorboard/",
+                            flag="--tensorboard")
+    csv: bool = opt(False, "also write the metrics as OUT/metrics.csv (one row per round)",
+                    flag="--csv")
 
     def validate(self) -> "Config":
         for name in _SECTIONS:
@@ -367,7 +492,8 @@ class Config:
         _check(self.out is None or self.out != "", "out",
                "must be a directory path (or None for no outputs)", self.out)
         _check(self.eval_every >= 0, "eval_every", "must be >= 0", self.eval_every)
-        _check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0", self.checkpoint_every)
+        _check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0",
+               self.checkpoint_every)
         _check(self.anchor_every >= 0, "anchor_every", "must be >= 0", self.anchor_every)
         return self
 

@@ -1,6 +1,9 @@
-"""Config sections: validation names the field; the config round-trips through JSON and pickle."""
+"""Config sections: every field carries its description, validation names the field, the config
+round-trips through JSON and pickle."""
+import dataclasses
 import json
 import pickle
+import re
 
 import pytest
 
@@ -40,3 +43,27 @@ def test_mix_every_in_steps_or_epochs():
     cfg = Config()
     assert cfg.replace(**{"average.mix_every": "10"}).average.period(19) == 10
     assert cfg.replace(**{"average.mix_every": "2ep"}).average.period(19) == 38
+
+
+def _fields(cls=Config, prefix=""):
+    """(dotted name, field) of every setting of a config, sections opened."""
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.default_factory):
+            yield from _fields(f.default_factory, f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name, f
+
+
+def test_every_field_carries_its_description():
+    for name, f in _fields():
+        assert f.metadata.get("help"), name
+        flag = f.metadata["flag"]
+        assert flag is None or re.fullmatch(r"--[a-z0-9]+(-[a-z0-9]+)*", flag), name
+
+
+@pytest.mark.parametrize("name, f", [(n, f) for n, f in _fields() if f.metadata["choices"]])
+def test_declared_choices_are_what_validation_accepts(name, f):
+    for value in f.metadata["choices"]:
+        Config().replace(**{name: value}).validate()
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        Config().replace(**{name: "bogus"}).validate()
