@@ -33,6 +33,7 @@ from pipeline.data import images as image_readers
 from pipeline.core import keys
 from pipeline.core.config import DataConfig
 from pipeline.core.errors import DataError
+from pipeline.core.files import os_reason
 from pipeline.data.readers import Plan, Reader
 
 BASE_URL = "https://www.cs.toronto.edu/~kriz/"
@@ -275,7 +276,7 @@ def fetch(dataset: str = "cifar10", fmt: str = "python", cache_dir: str | None =
                               progressbar=sys.stderr.isatty())
     except ValueError as exc:  # pooch: hash mismatch (the download is deleted)
         raise DataError(f"{url}: downloaded file failed the MD5 check (expected {md5}); "
-                        f"it was not kept ({cifar.one_line(exc)[:160]})") from None
+                        f"it was not kept ({os_reason(exc)[:160]})") from None
     except Exception as exc:  # requests' connection and HTTP errors, OSError writing the cache
         raise DataError(f"cannot download {url} ({download_failure(exc)}); offline, copy {name} "
                         f"(MD5 {md5}) into {directory}/ or give --data a CIFAR directory or "
