@@ -127,7 +127,7 @@ def shard_positions(rnd: Round, replica: int, replicas: int, batch_size: int) ->
 def learning_rate(base_lr: float, replicas: int, scaling: str, warmup_steps: int,
                   global_step: int, decay: str = "none", total_steps: int = 0) -> float:
     """Replica learning rate at ``global_step``: ``base_lr`` scaled by K (linear) or sqrt(K),
-    reached by a linear warmup over ``warmup_steps`` as in Goyal et al. and Horovod (seed 004).
+    reached by a linear warmup over ``warmup_steps`` as in Goyal et al. (2017) and Horovod.
 
     With scaling the warmup starts from the unscaled ``base_lr``; without it, from zero.
     ``decay`` "cosine" then lowers it along a half cosine to zero at ``total_steps`` (SGDR

@@ -149,7 +149,7 @@ class ResNet20(chainer.Chain):
 
 class WideMLP(chainer.Chain):
     """A 100 MB state for communication experiments: 3072-3712-3712-classes, ReLU, 25.2 M
-    parameters, 100.9 MB in float32 (seed 001's ResNet-50 averages 102.2 MB). About 150 MFLOP
+    parameters, 100.9 MB in float32 (ChainerMN's ResNet-50 benchmark averages 102.2 MB). About 150 MFLOP
     per image forward and backward, so its rounds on a CPU are short next to moving 100 MB
     between hosts (benchmarks/scale_out.py)."""
 

@@ -1,4 +1,5 @@
-"""Training strategies (seed 000's data-parallel table, plus asynchronous updates), one module each.
+"""Training strategies (parameter mixture, distributed gradient, iterative parameter mixture,
+and asynchronous updates; docs/strategies.md), one module each.
 
 A strategy says what a round submits, what "the model" is after a round and what a checkpoint
 holds (``base.Strategy``); the driver's loop has no ``if strategy``. A new strategy is one

@@ -76,9 +76,9 @@ class IPM(Strategy):
         learning rate of one model, reached by a linear warmup over the first epoch, and the
         optimizer state is averaged at each mix so the replicas' Adam moments stay those of one
         model. The outer step stays plain: K times the mean displacement (outer lr K) collapsed
-        the seed-000 net to chance in its first epoch.
+        the cifar10-2015 net to chance in its first epoch.
 
-        No lr scaling: on real CIFAR-10 (seed-000 net, per-replica batch 100, H = 10) x sqrt(K)
+        No lr scaling: on real CIFAR-10 (cifar10-2015 net, per-replica batch 100, H = 10) x sqrt(K)
         (Malladi et al. 2022) and x K (Goyal et al. 2017) both trailed the unscaled rate at every
         one of the first 4 epochs with K = 4; unscaled, K = 4 ends 20 epochs 0.6 points from
         ``single`` over the last 5 (docs/benchmarks.md). Each replica's Adam step is already
