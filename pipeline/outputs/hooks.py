@@ -13,11 +13,7 @@ import math
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from pipeline.outputs import checkpoint
-
-_COLUMNS = ("round", "epoch", "epoch_float", "step", "train_loss", "train_acc", "test_loss",
-            "test_acc", "lr", "images", "seconds", "bytes_averaged")
-_STAGES = ("load", "decode", "augment", "train", "average", "update", "evaluate", "waiting")
+from pipeline.outputs import checkpoint, metrics
 
 
 class RunInfo(NamedTuple):
@@ -46,11 +42,11 @@ def csv_row(line: dict) -> list:
     True
     """
     stages = line.get("stage_seconds") or {}
-    return [line.get(c, "") for c in _COLUMNS] + [stages.get(s, "") for s in _STAGES]
+    return [line.get(c, "") for c in metrics.COLUMNS] + [stages.get(s, "") for s in metrics.STAGES]
 
 
 def csv_header() -> list[str]:
-    return list(_COLUMNS) + [f"{s}_seconds" for s in _STAGES]
+    return list(metrics.COLUMNS) + [f"{s}_seconds" for s in metrics.STAGES]
 
 
 class CSVLog:

@@ -24,6 +24,7 @@ from pipeline.outputs import resume as resuming
 from pipeline.outputs import fs as rundir
 from pipeline.training import strategies
 from pipeline.outputs.checkpoint import HostState
+from pipeline.outputs.metrics import line as metrics_line
 from pipeline.core.config import Config
 from pipeline.core.errors import (ClusterError, DivergenceError, Interrupted, ResumeError, UsageError,
                                   one_line)
@@ -473,22 +474,11 @@ class _Run:
                     f"training diverged in round {rnd.index} (epoch {rnd.epoch}), replica "
                     f"{m['replica']}: {m.get('nonfinite') or 'loss'} is NaN or Inf")
         self.clock.account(stream(), collecting=rnd.index)
-        n = sum(m["n"] for m in metrics)
-        line = dict(round=rnd.index, epoch=rnd.epoch,
-                    epoch_float=round((rnd.global_step + rnd.steps) / self.ctx.per_epoch, 6),
-                    step=rnd.global_step + rnd.steps,
-                    train_loss=sum(m["loss_sum"] for m in metrics) / n,
-                    train_acc=sum(m["correct"] for m in metrics) / n,
-                    lr=self.ctx.lrs(rnd)[-1], images=n)
-        if evals:
-            m = sum(e["n"] for e in evals)
-            line.update(test_loss=sum(e["loss_sum"] for e in evals) / m,
-                        test_acc=sum(e["correct"] for e in evals) / m)
-        line["seconds"] = round(time.perf_counter() - self.start, 4)
-        line["stage_seconds"] = self.clock.stage_seconds(rnd.index, strategy.stages)
-        line["bytes_averaged"] = strategy.bytes_averaged(rnd)
-        line.update(strategy.round_fields(rnd, metrics))
-        return line
+        return metrics_line(rnd, self.ctx.per_epoch, self.ctx.lrs(rnd)[-1], metrics, evals,
+                            seconds=time.perf_counter() - self.start,
+                            stage_seconds=self.clock.stage_seconds(rnd.index, strategy.stages),
+                            bytes_averaged=strategy.bytes_averaged(rnd),
+                            extra=strategy.round_fields(rnd, metrics))
 
     def _emit(self, line: dict, progress) -> None:
         if self.history and line["round"] <= self.history[-1]["round"]:
