@@ -27,6 +27,7 @@ class RunInfo(NamedTuple):
     dataset: str  # a short name of the data, for titles
     history: list  # the metrics lines already written (a resumed run's earlier rounds)
     log: Callable[[str], None]
+    first_round: int = 0  # the first round this run trains (after a resumed checkpoint's)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,7 +180,7 @@ class ChanceWatch:
             self.info.log(self.message(line["epoch"]))
 
     def message(self, epoch: int) -> str:
-        t = self.info.config.train
+        t, model = self.info.config.train, self.info.config.model.name
         c = self.info.n_classes
         step = f"lr {t.lr:g}"
         if t.optimizer == "momentum":
@@ -187,5 +188,5 @@ class ChanceWatch:
                      "unit gradient")
         return (f"warning: epoch {epoch} ended with the training loss at chance level (ln {c} = "
                 f"{math.log(c):.3f}) and accuracy near 1/{c}: the model is not learning. Likely "
-                f"cause: the learning rate ({step}) is too high for {self.info.config.model.name}; "
+                f"cause: the learning rate ({step}) is too high for {model}; "
                 f"try --lr {t.lr / 5:g} or --warmup-epochs 1")

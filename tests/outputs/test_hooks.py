@@ -1,8 +1,5 @@
 """The per-round writers and the metrics line: one set of column and stage names for them all."""
-import pytest
-
 from pipeline.core import keys
-from pipeline.core.schedule import Round
 from pipeline.outputs import hooks
 
 

@@ -65,6 +65,7 @@ class Submitted(NamedTuple):
     """What submitting a round gives the loop."""
     live: Any  # the state after the round (the strategy's own kind of futures)
     metrics: list  # futures of one metric dict per update (replica) of the round
+    records: tuple = ()  # host records of the round the strategy logs once it is collected
 
 
 class Strategy:
