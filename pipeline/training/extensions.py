@@ -145,7 +145,7 @@ class StrategyRecords(Extension):
         return True
 
     def __call__(self, state: RoundState) -> None:
-        state.attempt.strategy.collected(state.rnd)
+        state.attempt.strategy.collected(state.rnd, state.pending.records)
 
 
 class Checkpoint(Extension):

@@ -224,7 +224,7 @@ class _Loop:
                             seconds=time.perf_counter() - self.started,
                             stage_seconds=self.clock.stage_seconds(rnd.index, strategy.stages),
                             bytes_averaged=strategy.bytes_averaged(rnd),
-                            extra=strategy.round_fields(rnd, metrics))
+                            extra=strategy.round_fields(rnd, metrics, pending.records))
 
     # ---- recovery --------------------------------------------------------------------------
     def _recovering(self, stream, quiet) -> HostState:
