@@ -184,6 +184,8 @@ class _Loop:
     def _stop_now(self, attempt: Attempt, stream) -> None:
         """Stop on request at this round boundary: collect the rounds in flight (the state after
         the last is checkpointed), raise Interrupted with the one line to print."""
+        if not attempt.pending:  # nothing in flight: the run stops at its newest anchor
+            self._save_anchor(attempt)
         while attempt.pending:
             pending = attempt.pending.pop(0)
             state = self._collect(attempt, pending, stream, stopping=not attempt.pending)
@@ -198,6 +200,13 @@ class _Loop:
                        f"checkpoint saved; resume: python -m pipeline train --resume "
                        f"{self.out.path}")
         raise Interrupted(message, self.stop.exit_status)
+
+    def _save_anchor(self, attempt: Attempt) -> None:
+        """Checkpoint an anchor this run reached between checkpoints (``anchor_every``)."""
+        anchor = attempt.anchor
+        if self.out and anchor is not self.anchor and \
+                not self.schedule.checkpoints(self.rounds[anchor.round]):
+            self.out.save_checkpoint(anchor, attempt.strategy.final_params(anchor))
 
     def _collect(self, attempt: Attempt, pending: Pending, stream,
                  stopping: bool = False) -> RoundState:

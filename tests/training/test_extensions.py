@@ -225,3 +225,24 @@ def test_a_failing_extension_ends_the_run_and_every_extension_hears_of_it(dask_c
         train(_config(), dask_client, hooks=[watch, other], log=lambda message: None)
     assert watch.events[-2:] == [("error", "KeyError"), ("finalize",)]
     assert other.events == [("initialize", 2, 0), ("error", "KeyError"), ("finalize",)]
+
+
+def test_a_stop_right_after_an_anchor_saves_the_checkpoint_it_announces(tmp_path, dask_client):
+    """Anchors between checkpoints: a stop requested in round 1, an anchor round, finds no round
+    in flight; the anchor is saved, and a resume gives the uninterrupted weights."""
+    from pipeline.core import interrupt
+    config = _config(out=str(tmp_path / "run"), checkpoint_every=0, anchor_every=1,
+                     **{"train.epochs": 2})
+    stop = interrupt.StopRequest()
+
+    def request_at_round_1(line):
+        if line["round"] == 1:
+            stop.request()
+
+    with pytest.raises(Interrupted, match="interrupted after round 1 of 4 .* checkpoint saved"):
+        train(config, dask_client, on_round=request_at_round_1, stop=stop,
+              log=lambda message: None)
+    assert (tmp_path / "run" / "checkpoints" / "round-000001").is_dir()
+    resumed = train(config, dask_client, resume=True, log=lambda message: None)
+    whole = train(config.replace(out=None), dask_client, log=lambda message: None)
+    assert all(resumed.params[k].tobytes() == whole.params[k].tobytes() for k in whole.params)
