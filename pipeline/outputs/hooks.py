@@ -3,7 +3,9 @@ metrics.jsonl: a CSV table, TensorBoard event files, and a watch for a run stuck
 
 A hook is callable with the metrics dict of a round (the lines of ``metrics.jsonl``) and may have
 ``start(info)`` (called once the run is set up, with a :class:`RunInfo`) and ``close()`` (called
-when the run ends, however it ends). Hooks run on the driver, never in a task.
+when the run ends, however it ends). The driver runs each as an extension
+(``pipeline.training.extensions.LineHook``), on the driver, never in a task. Column and stage
+names are ``pipeline.outputs.metrics``'.
 """
 from __future__ import annotations
 
