@@ -3,7 +3,9 @@ metrics.jsonl: a CSV table, TensorBoard event files, and a watch for a run stuck
 
 A hook is callable with the metrics dict of a round (the lines of ``metrics.jsonl``) and may have
 ``start(info)`` (called once the run is set up, with a :class:`RunInfo`) and ``close()`` (called
-when the run ends, however it ends). Hooks run on the driver, never in a task.
+when the run ends, however it ends). The driver runs each as an extension
+(``pipeline.training.extensions.LineHook``), on the driver, never in a task. Column and stage
+names are ``pipeline.outputs.metrics``'.
 """
 from __future__ import annotations
 
@@ -13,11 +15,7 @@ import math
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from pipeline.outputs import checkpoint
-
-_COLUMNS = ("round", "epoch", "epoch_float", "step", "train_loss", "train_acc", "test_loss",
-            "test_acc", "lr", "images", "seconds", "bytes_averaged")
-_STAGES = ("load", "decode", "augment", "train", "average", "update", "evaluate", "waiting")
+from pipeline.outputs import checkpoint, metrics
 
 
 class RunInfo(NamedTuple):
@@ -31,6 +29,7 @@ class RunInfo(NamedTuple):
     dataset: str  # a short name of the data, for titles
     history: list  # the metrics lines already written (a resumed run's earlier rounds)
     log: Callable[[str], None]
+    first_round: int = 0  # the first round this run trains (after a resumed checkpoint's)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -46,11 +45,11 @@ def csv_row(line: dict) -> list:
     True
     """
     stages = line.get("stage_seconds") or {}
-    return [line.get(c, "") for c in _COLUMNS] + [stages.get(s, "") for s in _STAGES]
+    return [line.get(c, "") for c in metrics.COLUMNS] + [stages.get(s, "") for s in metrics.STAGES]
 
 
 def csv_header() -> list[str]:
-    return list(_COLUMNS) + [f"{s}_seconds" for s in _STAGES]
+    return list(metrics.COLUMNS) + [f"{s}_seconds" for s in metrics.STAGES]
 
 
 class CSVLog:
@@ -183,7 +182,7 @@ class ChanceWatch:
             self.info.log(self.message(line["epoch"]))
 
     def message(self, epoch: int) -> str:
-        t = self.info.config.train
+        t, model = self.info.config.train, self.info.config.model.name
         c = self.info.n_classes
         step = f"lr {t.lr:g}"
         if t.optimizer == "momentum":
@@ -191,5 +190,5 @@ class ChanceWatch:
                      "unit gradient")
         return (f"warning: epoch {epoch} ended with the training loss at chance level (ln {c} = "
                 f"{math.log(c):.3f}) and accuracy near 1/{c}: the model is not learning. Likely "
-                f"cause: the learning rate ({step}) is too high for {self.info.config.model.name}; "
+                f"cause: the learning rate ({step}) is too high for {model}; "
                 f"try --lr {t.lr / 5:g} or --warmup-epochs 1")

@@ -1,5 +1,6 @@
-"""Training: the driver loop (``loop``), the strategies (``strategies``), what a round submits
-(``graph``) and what its tasks run (``tasks``), recovery, telemetry and evaluation.
+"""Training: the driver loop (``loop``) with its set-up (``prepare``), attempts (``attempt``),
+extensions and triggers; the strategies (``strategies``), what a round submits (``graph``) and
+what its tasks run (``tasks``), recovery, telemetry and evaluation.
 
 Front: ``train`` and ``TrainOutput`` (``pipeline.training.loop``).
 """

@@ -1,39 +1,23 @@
-"""Fault recovery as values: what an attempt submitted, and a pure "replay or give up" decision.
+"""Fault recovery: a pure "replay or give up" decision, and the probes that feed and follow it.
 
 The loop runs attempts from an anchor (the start, a resume, the last checkpoint). When one
 fails, ``decide`` looks only at the exception, the cluster's state and the retry count: lost work
 (a worker died with it) is replayed from the anchor by a fresh attempt; anything else, a lost
 scheduler, or too many failures in a row end the run with one line that says where to go on.
+The probes (``scheduler_alive``, ``forget``, ``await_workers``) ask the cluster; they import
+distributed inside, so the decision stays importable without it.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from typing import NamedTuple
+import time
+from typing import Callable, NamedTuple
 
 from pipeline.core.errors import ClusterError, one_line
 
 MAX_RETRIES = 3  # consecutive recoveries from lost work before the run gives up
-
-
-class Attempt:
-    """Everything one try from an anchor has submitted, so a failure can cancel it all.
-
-    ``graph``: the attempt's ``RoundGraph`` (its own key token); ``shards``: augment futures by
-    (round, i); ``pending``: rounds submitted but not collected; ``live``: the newest state;
-    ``replay``: whether it replays after lost work.
-    """
-
-    def __init__(self, graph, anchor, replay: bool = False):
-        self.graph, self.anchor, self.replay = graph, anchor, replay
-        self.shards: dict = {}
-        self.pending: list = []
-        self.live = None
-
-    def held(self) -> list:
-        """The containers that hold the attempt's futures."""
-        return [self.shards, self.pending, self.live]
 
 
 class ClusterState(NamedTuple):
@@ -144,3 +128,79 @@ def quiet_connection_loss():
         if not quiet.keep:
             for logger in loggers:
                 logger.removeFilter(quiet)
+
+
+# ---- the cluster side of ``decide`` ---------------------------------------------------------
+def scheduler_alive(client, timeout: float) -> bool:
+    """The client is connected and the scheduler answers a ping within ``timeout`` s.
+
+    A busy scheduler on a loaded machine (retiring a stopped worker, say) may miss one
+    5-second ping, so pings are repeated until the time is up; a closed client is gone at once.
+    """
+    deadline = time.monotonic() + timeout
+    while client.status == "running":
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            client.sync(client.scheduler.identity, callback_timeout=min(5.0, left))
+            return client.status == "running"
+        except Exception:  # refused, closed, timed out: ask again while time is left
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+    return False
+
+
+def plain(value):
+    """``value`` with every tuple subclass (a NamedTuple) rebuilt as a plain tuple, all the way
+    down: ``distributed.futures_of`` descends into exact tuples, lists, sets and dicts only.
+
+    >>> Pair = NamedTuple("Pair", [("a", object), ("b", object)])
+    >>> plain([Pair([1], {"m": Pair(2, {3})})])
+    [([1], {'m': (2, (3,))})]
+    """
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    if isinstance(value, (tuple, set, frozenset)):
+        return tuple(plain(v) for v in value)
+    return value
+
+
+def forget(client, held: list, exc: BaseException | None, alive: Callable[[], bool]) -> None:
+    """Cancel every future in ``held`` (a failed attempt's: the next one keys its tasks afresh),
+    if the scheduler is ``alive()``. The traceback's frames of ``exc`` are cleared first: their
+    locals hold futures of the attempt too.
+    """
+    import traceback
+
+    from pipeline.training.graph import futures_of
+    stale = futures_of(plain(held))
+    if exc is not None and exc.__traceback__ is not None:
+        traceback.clear_frames(exc.__traceback__)
+    if stale and alive():
+        with contextlib.suppress(Exception):  # best effort: they are released anyway
+            client.cancel(stale, reason="replaying from the last anchor")
+    del stale
+
+
+def await_workers(client, graph, timeout: float, log, *, replay_from: int, hint: str) -> None:
+    """Before replaying from round ``replay_from``: at least one worker, and the train resource
+    if ``graph`` (the run's ``RoundGraph``) asks for one (a lost worker's nanny restarts it). A
+    CPU run whose training workers do not come back trains on the workers left, as it would have
+    started on them (``graph.train_resources`` becomes None). ``hint``: where to go on, for the
+    error that ends the run.
+    """
+    from pipeline.cluster import connection as cluster
+    try:
+        cluster.require_workers(client, 1, timeout)
+        for name in graph.train_resources or ():
+            try:
+                cluster.require_resource(client, name, timeout, wait=True)
+            except ClusterError:
+                if graph.device != "cpu":
+                    raise
+                log(f"no worker advertises {name} any more: training on any worker")
+                graph.train_resources = None
+    except ClusterError as err:
+        raise ClusterError(f"cannot replay from round {replay_from}: {err}{hint}") from None

@@ -201,7 +201,7 @@ def test_a_replay_without_training_workers(monkeypatch, device):
     from types import SimpleNamespace
 
     from pipeline.cluster import connection as cluster
-    from pipeline.training import loop as training
+    from pipeline.training import recovery
     from pipeline.core.errors import ClusterError
 
     def missing(client, name, timeout, wait=False):
@@ -210,15 +210,18 @@ def test_a_replay_without_training_workers(monkeypatch, device):
 
     monkeypatch.setattr(cluster, "require_workers", lambda client, n, timeout: None)
     monkeypatch.setattr(cluster, "require_resource", missing)
-    run, lines = object.__new__(training._Run), []
+    lines = []
     name = "TRAIN" if device == "cpu" else "GPU"
-    run.client, run.config, run.log = None, Config(), lines.append
-    run.graph = SimpleNamespace(device=device, train_resources={name: 1})
-    run.anchor, run._resume_hint = SimpleNamespace(round=3), lambda: ""
+    graph = SimpleNamespace(device=device, train_resources={name: 1})
+
+    def await_workers():
+        recovery.await_workers(None, graph, 1.0, lines.append, replay_from=4, hint="; here")
+
     if device == "gpu":
-        with pytest.raises(ClusterError, match="cannot replay from round 4: no worker advertises"):
-            run._await_workers()
+        with pytest.raises(ClusterError, match="cannot replay from round 4: no worker advertises"
+                                               ".*; here$"):
+            await_workers()
         return
-    run._await_workers()
-    assert run.graph.train_resources is None
+    await_workers()
+    assert graph.train_resources is None
     assert lines == ["no worker advertises TRAIN any more: training on any worker"]

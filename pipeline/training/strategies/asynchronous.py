@@ -122,14 +122,25 @@ def read_order(path: str, replicas: int, updates: int) -> list[int]:
     return [order[n] for n in range(updates)]
 
 
+class Flight(NamedTuple):
+    """A replica's update in flight: where it sits in the order, the state it started from, and
+    the futures of its train- task ``(params, opt, metrics, result)``."""
+    at: InFlight
+    pulled: object  # future of the parameters it pulled
+    opt: object  # future of the optimizer state it started from (None: fresh)
+    out: tuple
+
+
 class AsyncLive(NamedTuple):
-    """Futures of the state after a round: the server's params (and optimizer state for
-    gradient pushes), and per replica its in-flight slot, its pull, and its optimizer state."""
+    """The state after a round, as futures: the server's params (and optimizer state for
+    gradient pushes) and each replica's update in flight, with the order's bookkeeping."""
     server: object
     server_opt: object
     applied: int  # updates applied so far
     next_slot: int  # first slot not handed out yet
-    inflight: dict  # replica -> (InFlight, pulled params future, optimizer state future)
+    inflight: dict  # replica -> Flight
+    arrived: tuple = ()  # replicas whose update is done but not applied, in arrival order
+    stale: frozenset = frozenset()  # replicas in flight at the last reroot (see ``reroot``)
 
 
 # ---- the strategy --------------------------------------------------------------------------
@@ -172,6 +183,8 @@ class Async(Strategy):
 
     # ---- attempt start -------------------------------------------------------------------
     def restart(self, anchor, shard, out, replay: bool) -> None:
+        """The attempt's fixed facts: its shards, the plan's slots, the order of application
+        (fixed, replayed, or None for arrival), and updates.jsonl cut back to the anchor."""
         self.shard = shard
         self.rounds_ = list(self.ctx.plan) or self.rounds()
         self.total = len(self.rounds_) * self.K
@@ -181,9 +194,6 @@ class Async(Strategy):
             self.order = read_order(self.acfg.replay_updates, self.K, self.total)
         elif self.acfg.order == "fixed":
             self.order = fixed_order(self.K, self.total)
-        self.log_lines: dict[int, list] = {}
-        self.metrics_by_round: dict[int, list] = {}
-        self.arrived: list[int] = []
         if out:  # the log holds what made the state: drop updates past the anchor
             kept = (anchor.round + 1) * self.K
             out.truncate(UPDATES, lambda x: "position" not in x or x["position"] < kept)
@@ -193,27 +203,25 @@ class Async(Strategy):
 
     def scatter(self, state: HostState) -> AsyncLive:
         g = self.graph
-        self.server = g.scatter(state.params[0])
-        self.server_opt = g.scatter(state.opts[0]) if state.opts[0] is not None else None
-        self.inflight: dict[int, tuple] = {}
-        self.stale_roots: set[int] = set()  # in flight at the last reroot: see ``reroot``
+        server = g.scatter(state.params[0])
+        server_opt = g.scatter(state.opts[0]) if state.opts[0] is not None else None
         if state.round < 0:
-            self.applied, self.next_slot = 0, 0
+            live = AsyncLive(server, server_opt, 0, 0, {})
             for k in range(self.K):
-                self._start(k, self.server, None, pulled=0)
-        else:
-            sched = state.outer
-            self.applied = (state.round + 1) * self.K
-            self.next_slot = int(sched["next_slot"][0])
-            for k in range(self.K):
-                slot = int(sched["slot"][k])
-                if slot < 0:
-                    continue
-                opt = state.opts[1 + k]
-                self._start(k, g.scatter(state.params[1 + k]),
-                            g.scatter(opt) if opt is not None else None,
-                            pulled=int(sched["pulled"][k]), slot=slot)
-        return self._snapshot()
+                live = self._start(live, k, server, None, pulled=0)
+            return live
+        sched = state.outer
+        live = AsyncLive(server, server_opt, (state.round + 1) * self.K,
+                         int(sched["next_slot"][0]), {})
+        for k in range(self.K):
+            slot = int(sched["slot"][k])
+            if slot < 0:
+                continue
+            opt = state.opts[1 + k]
+            live = self._start(live, k, g.scatter(state.params[1 + k]),
+                               g.scatter(opt) if opt is not None else None,
+                               pulled=int(sched["pulled"][k]), slot=slot)
+        return live
 
     def reroot(self, state: HostState, live: AsyncLive) -> AsyncLive:
         """Go on from fresh roots without redoing in-flight work: the server (and its optimizer
@@ -222,99 +230,109 @@ class Async(Strategy):
         scattered when its update is applied (``_apply``). After that no task hangs off the
         rounds before the anchor, and the workers forget them (an unbroken apply- chain kept
         every update's records on its worker)."""
-        ks = sorted(self.inflight)
+        ks = sorted(live.inflight)
         roots = self.graph.scatter_many([state.params[0], state.opts[0],
                                          *(state.params[1 + k] for k in ks),
                                          *(state.opts[1 + k] for k in ks)])  # one round trip
-        self.server, self.server_opt = roots[:2]
+        inflight = dict(live.inflight)
         for k, pulled, opt in zip(ks, roots[2:2 + len(ks)], roots[2 + len(ks):]):
-            flight, _, _, out = self.inflight[k]
-            self.inflight[k] = (flight, pulled, opt, out)
-        self.stale_roots = set(ks)
-        return self._snapshot()
+            inflight[k] = inflight[k]._replace(pulled=pulled, opt=opt)
+        return live._replace(server=roots[0], server_opt=roots[1], inflight=inflight,
+                             stale=frozenset(ks))
 
     def _fresh(self, k: int, params, opt) -> list:
         """Replica k's train outputs as roots with no lineage (gathered, scattered back)."""
         return self.graph.scatter_many(self.graph.gather([params, opt]), replica=k)
 
-    def _snapshot(self) -> AsyncLive:
-        inflight = {k: (f[0], f[1], f[2]) for k, f in self.inflight.items()}
-        return AsyncLive(self.server, self.server_opt, self.applied, self.next_slot, inflight)
-
     def gather(self, round_index: int, live: AsyncLive) -> HostState:
         ks = sorted(live.inflight)
         server, server_opt, pulled, opts = self.graph.gather(
-            [live.server, live.server_opt, [live.inflight[k][1] for k in ks],
-             [live.inflight[k][2] for k in ks]])
+            [live.server, live.server_opt, [live.inflight[k].pulled for k in ks],
+             [live.inflight[k].opt for k in ks]])
         params, replica_opts = [server] * self.K, [None] * self.K
         slot, versions = np.full(self.K, -1, np.int64), np.zeros(self.K, np.int64)
         for j, k in enumerate(ks):
             params[k], replica_opts[k] = pulled[j], opts[j]
-            slot[k], versions[k] = live.inflight[k][0].slot, live.inflight[k][0].pulled
+            slot[k], versions[k] = live.inflight[k].at.slot, live.inflight[k].at.pulled
         sched = dict(slot=slot, pulled=versions, next_slot=np.array([live.next_slot], np.int64))
         return HostState(round_index, [server, *params], [server_opt, *replica_opts], sched)
 
     # ---- a round -------------------------------------------------------------------------
-    def _start(self, k: int, params, opt, *, pulled: int, slot: int | None = None) -> None:
+    def _start(self, live: AsyncLive, k: int, params, opt, *, pulled: int,
+               slot: int | None = None) -> AsyncLive:
         """Replica k takes its next slot (or ``slot``) from ``params`` pulled at ``pulled``."""
+        next_slot = live.next_slot
         if slot is None:
-            if self.next_slot >= self.total:
-                return  # no work left: the replica is done
-            slot, self.next_slot = self.next_slot, self.next_slot + 1
+            if next_slot >= self.total:
+                return live  # no work left: the replica is done
+            slot, next_slot = next_slot, next_slot + 1
         r, i = divmod(slot, self.K)
         rnd = self.rounds_[r]
         mode = "gradient" if self.acfg.push == "gradient" else "steps"
         out = self.graph.submit_train(rnd, i, params, opt if mode == "steps" else None,
                                       self.shard(r, i), self.ctx.spec(rnd, i, mode), pin=k)
-        self.inflight[k] = (InFlight(slot, pulled), params, opt, out)
+        flight = Flight(InFlight(slot, pulled), params, opt, out)
+        return live._replace(next_slot=next_slot, inflight={**live.inflight, k: flight})
 
-    def _next(self) -> int:
-        """The replica whose update is applied next."""
-        n = self.applied
+    def _next(self, live: AsyncLive) -> tuple[int, AsyncLive]:
+        """The replica whose update is applied next, and the state without it among the
+        arrived."""
+        n = live.applied
         if self.order is not None:
-            return self.order[n]
+            return self.order[n], live
+        arrived = list(live.arrived)
         while True:
-            for k in self.arrived:
-                if allowed(n, k, {j: f[0] for j, f in self.inflight.items()},
+            for k in arrived:
+                if allowed(n, k, {j: f.at for j, f in live.inflight.items()},
                            self.acfg.max_staleness):
-                    self.arrived.remove(k)
-                    return k
-            waiting = [k for k in sorted(self.inflight) if k not in self.arrived]
+                    arrived.remove(k)
+                    return k, live._replace(arrived=tuple(arrived))
+            waiting = [k for k in sorted(live.inflight) if k not in arrived]
             if not waiting:  # cannot happen with max_staleness >= K - 1 (see check)
                 raise RuntimeError(f"no update can be applied at position {n}")
-            done = self.graph.first_done([self.inflight[k][3][3] for k in waiting])
-            done_ids = {id(f) for f in done}
-            self.arrived += [k for k in waiting if id(self.inflight[k][3][3]) in done_ids]
+            results = [live.inflight[k].out[3] for k in waiting]
+            done_ids = {id(f) for f in self.graph.first_done(results)}
+            arrived += [k for k in waiting if id(live.inflight[k].out[3]) in done_ids]
 
-    def _apply(self, k: int) -> None:
-        flight, pulled_params, _, (params, opt, metrics, _) = self.inflight.pop(k)
-        if k in self.stale_roots:
-            self.stale_roots.discard(k)
+    def _apply(self, live: AsyncLive, k: int) -> tuple[AsyncLive, object, dict]:
+        """Apply replica k's update to the server as the next one; k starts its next slot from
+        the result. Returns the new state, the update's metrics future and its log record."""
+        inflight = dict(live.inflight)
+        flight = inflight.pop(k)
+        params, opt, metrics, _ = flight.out
+        if k in live.stale:
             params, opt = self._fresh(k, params, opt)
-        n = self.applied
+        n = live.applied
         r, i = divmod(n, self.K)
-        staleness = n - flight.pulled
+        staleness = n - flight.at.pulled
         scale = 1.0 / (1 + staleness) if self.acfg.staleness_scaling == "inverse" else 1.0
+        server, server_opt = live.server, live.server_opt
         if self.acfg.push == "gradient":
-            self.server, self.server_opt = self.graph.submit(
-                apply_gradient, self.server, self.server_opt, params, scale,
+            server, server_opt = self.graph.submit(
+                apply_gradient, server, server_opt, params, scale,
                 self.ctx.spec(self.rounds_[r], i), stage="apply", coords=(r, i),
                 fields=("params", "opt"), train=True)
         else:
-            self.server = self.graph.submit(apply, self.server, pulled_params, params, scale,
-                                            stage="apply", coords=(r, i))
-        self.applied += 1
-        self.metrics_by_round.setdefault(r, []).append(metrics)
-        self.log_lines.setdefault(r, []).append(dict(
-            position=n, round=r, replica=k, slot=list(divmod(flight.slot, self.K)),
-            pulled=flight.pulled, staleness=staleness, scale=scale))
-        self._start(k, self.server, opt if self.acfg.push == "delta" else None, pulled=n + 1)
+            server = self.graph.submit(apply, server, flight.pulled, params, scale,
+                                       stage="apply", coords=(r, i))
+        record = dict(position=n, round=r, replica=k, slot=list(divmod(flight.at.slot, self.K)),
+                      pulled=flight.at.pulled, staleness=staleness, scale=scale)
+        live = live._replace(server=server, server_opt=server_opt, applied=n + 1,
+                             inflight=inflight, stale=live.stale - {k})
+        live = self._start(live, k, server, opt if self.acfg.push == "delta" else None,
+                           pulled=n + 1)
+        return live, metrics, record
 
     def submit_round(self, rnd, live, shard):
+        """Apply updates until round ``rnd``'s K are in; its records are their log lines."""
         target = (rnd.index + 1) * self.K
-        while self.applied < target:
-            self._apply(self._next())
-        return Submitted(self._snapshot(), self.metrics_by_round.pop(rnd.index))
+        metrics, records = [], []
+        while live.applied < target:
+            k, live = self._next(live)
+            live, update_metrics, record = self._apply(live, k)
+            metrics.append(update_metrics)
+            records.append(record)
+        return Submitted(live, metrics, tuple(records))
 
     def model(self, rnd, live):
         return live.server
@@ -326,14 +344,12 @@ class Async(Strategy):
     def bytes_averaged(self, rnd):
         return self.graph.payload_bytes * self.K  # every update ships one replica's params
 
-    def round_fields(self, rnd, metrics):
-        stale = [x["staleness"] for x in self.log_lines.get(rnd.index, [])]
-        by_replica = [sum(1 for x in self.log_lines.get(rnd.index, []) if x["replica"] == k)
-                      for k in range(self.K)]
+    def round_fields(self, rnd, metrics, records=()):
+        stale = [x["staleness"] for x in records]
+        by_replica = [sum(1 for x in records if x["replica"] == k) for k in range(self.K)]
         return dict(staleness_mean=round(float(np.mean(stale)), 4) if stale else 0.0,
                     staleness_max=int(max(stale)) if stale else 0, updates_by_replica=by_replica)
 
-    def collected(self, rnd) -> None:
-        lines = self.log_lines.pop(rnd.index, [])
+    def collected(self, rnd, records=()) -> None:
         if self.out:
-            self.out.append(UPDATES, lines)
+            self.out.append(UPDATES, list(records))

@@ -1,10 +1,11 @@
 """What every strategy provides to the driver's loop, and the context it builds tasks from.
 
 The loop asks a strategy, per round: ``submit_round`` (the round's tasks, given the state
-futures after the previous round), ``model`` (the future of the weights a user would get if the
-run stopped here) and, at checkpoints, ``gather``/``scatter`` between futures and a host
-``HostState``. Strategies build tasks only through the ``RoundGraph`` they are given (one per
-attempt: a replay gets a fresh one with a fresh key token), so they import no dask.
+futures after the previous round: a value the loop hands back each round, never kept on the
+strategy), ``model`` (the future of the weights a user would get if the run stopped here) and,
+at checkpoints, ``gather``/``scatter`` between futures and a host ``HostState``. Strategies
+build tasks only through the ``RoundGraph`` they are given (one per attempt: a replay gets a
+fresh one with a fresh key token), so they import no dask.
 """
 from __future__ import annotations
 
@@ -65,6 +66,7 @@ class Submitted(NamedTuple):
     """What submitting a round gives the loop."""
     live: Any  # the state after the round (the strategy's own kind of futures)
     metrics: list  # futures of one metric dict per update (replica) of the round
+    records: tuple = ()  # host records of the round the strategy logs once it is collected
 
 
 class Strategy:
@@ -193,9 +195,11 @@ class Strategy:
         """Bytes of replica state that entered the round's average (0 when none)."""
         return 0
 
-    def round_fields(self, rnd: Round, metrics: list) -> dict:
-        """Extra fields of the round's line in metrics.jsonl."""
+    def round_fields(self, rnd: Round, metrics: list, records: tuple = ()) -> dict:
+        """Extra fields of the round's line in metrics.jsonl, from its updates' ``metrics`` and
+        the ``records`` its ``Submitted`` carried."""
         return {}
 
-    def collected(self, rnd: Round) -> None:
-        """Called once the round's line is written (async logs its updates here)."""
+    def collected(self, rnd: Round, records: tuple = ()) -> None:
+        """Called once the round's line is written, with its ``records`` (async logs its
+        updates here)."""

@@ -1,0 +1,209 @@
+"""A run's set-up as values: what is checked before a cluster starts (``Prepared``: config, data,
+plan, the state a resume goes on from) and what is built on the cluster (``Setup``).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import augment as aug
+from pipeline.averaging import exact as averaging
+from pipeline.backends.chainer.models import check_model_name
+from pipeline.core.config import Config
+from pipeline.core.errors import ResumeError, UsageError
+from pipeline.outputs import checkpoint
+from pipeline.outputs import resume as resuming
+from pipeline.outputs.checkpoint import HostState
+from pipeline.training import strategies
+from pipeline.training.strategies.base import Context
+
+
+def normalise(config: Config) -> Config:
+    """``config`` validated, with its auto fields filled by the strategy's recipe (config.json
+    shows them)."""
+    config.validate()
+    check_model_name(config.model.name)
+    aug.get_policy(config.augment.policy)  # ValueError naming augment.policy
+    strategy = strategies.get(config.train.strategy)
+    strategy.check(config)
+    return strategy.resolve(config)
+
+
+def dataset_label(source: str) -> str:
+    """A short name for the data in titles: the directory or archive name, or synthetic:N:M.
+
+    >>> dataset_label("/data/cifar-10-batches-py/"), dataset_label("synthetic")
+    ('cifar-10-batches-py', 'synthetic')
+    """
+    return Path(str(source).rstrip("/")).name or str(source)
+
+
+# ---- before a cluster starts -----------------------------------------------------------------
+class Prepared(NamedTuple):
+    """What a run knows before a cluster starts: data, plan and the state it starts from."""
+    dataset: object  # pipeline.data.datasets.Dataset (lazy; validated on the driver)
+    rounds: list  # the plan: pipeline.core.schedule.Round for every round of the run
+    per_epoch: int
+    period: int
+    state: HostState | None  # the checkpoint a resume goes on from (None: from the start)
+
+    @property
+    def complete(self) -> bool:
+        return self.state is not None and self.state.round >= len(self.rounds) - 1
+
+
+def reads_on_driver(config: Config) -> bool:
+    """Whether the data source is checked on the driver (CIFAR, synthetic), not in scan- tasks."""
+    from pipeline.data.datasets import READERS
+    cfg = config.data
+    reader = next((r for r in READERS if r.claims(cfg.source, cfg)), None)
+    return reader is None or reader.name in ("synthetic", "cifar")
+
+
+def load_dataset(config: Config, client=None):
+    from pipeline.data.datasets import load_dataset as load
+    cfg = config.data
+    return load(cfg.source, cfg, download=cfg.download, client=client)
+
+
+def check_device(config: Config) -> list:
+    """GPU ids for an embedded cluster; refuses ``--device gpu`` where it cannot work before a
+    cluster starts (with ``--scheduler`` the workers' resources decide, after connecting)."""
+    from pipeline.cluster.connection import local_gpus, scheduler_address
+    device = config.train.device
+    if device == "cpu":
+        return []
+    gpus = local_gpus()
+    if device == "gpu" and scheduler_address(config.cluster) is None:
+        import importlib.util
+        if not gpus:
+            raise UsageError("--device gpu: this machine has no GPU for the local cluster "
+                             "(nvidia-smi lists none, or CUDA_VISIBLE_DEVICES is empty); use "
+                             "--device cpu, or --scheduler ADDR of a cluster with GPU workers")
+        if importlib.util.find_spec("cupy") is None:
+            raise UsageError("--device gpu needs CuPy: pip install -e '.[gpu]' (or --device cpu)")
+    return gpus
+
+
+def plan(config: Config, out, dataset, found: "resuming.Resume | None") -> Prepared:
+    """The plan (the strategy's) and the state to start from; a resume keeps the finished
+    rounds as the checkpoint's run planned them and plans on to ``train.epochs``."""
+    strategy = strategies.get(config.train.strategy)
+    n_train = int(dataset.train_images.shape[0])
+    state, done = None, []
+    if found is not None:
+        state = found.state
+        if state is not None:
+            before = config.replace(**{"train.epochs": found.saved["train"]["epochs"]})
+            done = strategy.plan(before, n_train)[0][:state.round + 1]
+    rounds, per_epoch, period = strategy.plan(config, n_train, done)
+    if state is not None:
+        _check_resumed(config, out, state, dataset.n_classes)
+    if state is not None and len(done) == len(rounds):
+        trained = (done[-1].global_step + done[-1].steps) / per_epoch
+        if trained > config.train.epochs + 1e-9:
+            raise ResumeError(f"{out} has trained {trained:g} epochs already, more than "
+                              f"--epochs {config.train.epochs:g}")
+    return Prepared(dataset, rounds, per_epoch, period, state)
+
+
+def _check_resumed(config: Config, out, state: HostState, n_classes: int) -> None:
+    """The checkpoint's arrays fit the model (names, shapes, dtypes) before anything is sent."""
+    if len(state.params) < config.train.replicas or len(state.opts) != len(state.params):
+        raise ResumeError(f"checkpoint of round {state.round} in {out} holds "
+                          f"{len(state.params)} parameter set(s), the run has "
+                          f"{config.train.replicas} replica(s)")
+    template = initial_params(config, n_classes)
+    checkpoint.check_state(state, template, f"round {state.round} in {out}")
+
+
+def initial_params(config: Config, n_classes: int) -> dict:
+    from pipeline.training import tasks
+    return tasks.init_params(config.model.name, n_classes, config.seed)
+
+
+# ---- on the cluster --------------------------------------------------------------------------
+class Setup(NamedTuple):
+    """What a run builds on the cluster before its first round."""
+    graph: object  # pipeline.training.graph.RoundGraph (each attempt takes a fresh token of it)
+    watchdog: object  # pipeline.cluster.watchdog.Watchdog: looks at the tasks while we wait
+    ctx: Context
+    strategy: type  # the Strategy class of train.strategy
+    initial: dict  # the model's initial parameters (a run from the start begins there)
+    load_seconds: float  # set-up time, charged to the first round's "load" stage
+
+
+def on_cluster(client, config: Config, prep: Prepared, log) -> Setup:
+    """Persist the dataset, pick the device and the resources tasks ask for, build the graph."""
+    from pipeline.cluster.watchdog import Watchdog
+    from pipeline.training import graph
+    t0 = time.perf_counter()
+    dataset = prep.dataset
+    device, train_res = _device(client, config, log)
+    augment_res = _augment_resources(client, config, device, train_res, log)
+    data = graph.persist_dataset(client, dataset, resources=augment_res)
+    if data.note:
+        log(data.note)
+    initial = initial_params(config, dataset.n_classes)
+    watchdog = Watchdog(client, config.cluster, log)  # looks while the loop waits
+    round_graph = graph.RoundGraph(client, data, config, n_classes=dataset.n_classes,
+                                   device=device, train_resources=train_res,
+                                   augment_resources=augment_res,
+                                   payload_bytes=averaging.nbytes(initial), watchdog=watchdog)
+    ctx = Context(config, config.train.replicas, data.n_train, prep.per_epoch,
+                  dataset.n_classes, device, tuple(prep.rounds))
+    setup = Setup(round_graph, watchdog, ctx, strategies.get(config.train.strategy), initial,
+                  time.perf_counter() - t0)
+    _log_plan(setup, prep, log)
+    _plan_average(setup, log)
+    return setup
+
+
+def _device(client, config: Config, log):
+    """``(device, resources train- and evaluate- tasks ask for)``: the GPU resource, or on the
+    CPU ``train.cpu_resource`` when a worker advertises it (training workers beside loaders)
+    and otherwise none (any worker)."""
+    from pipeline.cluster import connection as cluster
+    t, c = config.train, config.cluster
+    cpu = ("cpu", {t.cpu_resource: 1} if cluster.has_resource(client, t.cpu_resource) else None)
+    if t.device == "cpu":
+        return cpu
+    if t.device == "gpu":
+        cluster.require_resource(client, t.gpu_resource, c.resource_timeout)
+    elif not cluster.has_resource(client, t.gpu_resource):
+        return cpu
+    for line in cluster.check_gpu_workers(client, t.gpu_resource):
+        log(f"GPU worker {line}")
+    return "gpu", {t.gpu_resource: 1}
+
+
+def _augment_resources(client, config: Config, device: str, train_res, log) -> dict | None:
+    """What decode- and augment- tasks ask for: ``augment.resource`` where a worker offers it."""
+    from pipeline.cluster import connection as cluster
+    name, trainers = config.augment.resource, config.train.cpu_resource
+    resources = {name: 1} if cluster.has_resource(client, name) else None
+    if device == "cpu" and train_res:
+        log(f"train-/evaluate- tasks on the workers advertising {trainers}, decode-/augment- on "
+            f"those advertising {name}" if resources else
+            f"train-/evaluate- tasks on the workers advertising {trainers}")
+    return resources
+
+
+def _log_plan(setup: Setup, prep: Prepared, log) -> None:
+    """The run in one line."""
+    cfg, ctx = setup.ctx.config, setup.ctx
+    t = cfg.train
+    log(f"{t.strategy}: {ctx.replicas} replica(s) x batch {t.batch_size}, {len(prep.rounds)} "
+        f"rounds of up to {prep.period} step(s), {ctx.per_epoch} steps/epoch, "
+        f"{ctx.n_train} training images, model {cfg.model.name}, device {ctx.device}")
+
+
+def _plan_average(setup: Setup, log) -> None:
+    """Tell the graph the bytes one average adds (``--average auto`` weighs them) and log how
+    the replicas' mean travels (pipeline.averaging.algorithms); strategies that never average
+    skip both."""
+    averaged = setup.strategy.average_payload(setup.ctx.config, setup.graph.payload_bytes)
+    if averaged:
+        setup.graph.averaged_bytes = averaged
+        log(f"average: {setup.graph.average_plan().description}")
