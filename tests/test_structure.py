@@ -25,6 +25,8 @@ PURE = ["augment", "pipeline.core.config", "pipeline.core.errors", "pipeline.cor
         "pipeline.averaging", "pipeline.averaging.exact", "pipeline.averaging.order",
         "pipeline.averaging.slices", "pipeline.averaging.placement", "pipeline.averaging.cost",
         "pipeline.outputs", "pipeline.outputs.checkpoint", "pipeline.outputs.run_dir",
+        "pipeline.outputs.metrics", "pipeline.outputs.hooks", "pipeline.training.triggers",
+        "pipeline.training.extensions", "pipeline.training.attempt",
         "pipeline.outputs.fs", "pipeline.outputs.resume", "pipeline.training",
         "pipeline.training.tasks", "pipeline.training.telemetry", "pipeline.training.recovery",
         "pipeline.training.strategies", "pipeline.training.strategies.base",

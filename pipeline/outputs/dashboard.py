@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from pipeline.outputs.live import format_line, split_series
+from pipeline.outputs.metrics import COLUMNS, INTEGERS
 
 logger = logging.getLogger(__name__)
 
@@ -19,9 +20,8 @@ TOPIC = "training"  # scheduler event topic of the rounds
 ACTION = "training-round"  # the "action" of a round on the dashboard's /events page
 PAGE = "training"  # dashboard page path, under the dashboard's prefix
 REFRESH_MS = 500  # how often the /training page reads the event log
-_SCALARS = ("round", "rounds", "epoch", "epoch_float", "step", "train_loss", "train_acc",
-            "test_loss", "test_acc", "lr", "images", "seconds", "bytes_averaged")
-_INTS = ("round", "rounds", "epoch", "step", "images", "bytes_averaged")
+_SCALARS = (*COLUMNS, "rounds")  # an event's numbers: a line's, and the run's round count
+_INTS = (*INTEGERS, "rounds")
 MAX_RUN_LABEL = 80  # characters of a run label shown or published
 MAX_STAGES = 32  # stage_seconds entries kept from an event
 

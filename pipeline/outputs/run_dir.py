@@ -94,7 +94,6 @@ class RunDir:
         """Whether a resume has a checkpoint to read (``fs.has_checkpoint``)."""
         return self.path is not None and rundir.has_checkpoint(self.path)
 
-    has_checkpoints = has_checkpoint  # the name pipeline.training.loop calls
 
     def finish(self, model, history: list[dict], rounds: int, labels: dict) -> None:
         """model.npz (Chainer's own format), curves.png and summary.json of a finished run."""

@@ -284,7 +284,7 @@ class _Loop:
         recovery.forget(self.client, held, exc, self._alive)
 
     def _hint(self, anchor: HostState) -> str:
-        return recovery.resume_hint(self.out.path, anchor.round, self.out.has_checkpoints())
+        return recovery.resume_hint(self.out.path, anchor.round, self.out.has_checkpoint())
 
     def _collecting(self, anchor: HostState) -> int:
         """The round the driver was waiting for: one after the last reported (the last round

@@ -55,10 +55,8 @@ class Prepared(NamedTuple):
 
 def reads_on_driver(config: Config) -> bool:
     """Whether the data source is checked on the driver (CIFAR, synthetic), not in scan- tasks."""
-    from pipeline.data.datasets import READERS
-    cfg = config.data
-    reader = next((r for r in READERS if r.claims(cfg.source, cfg)), None)
-    return reader is None or reader.name in ("synthetic", "cifar")
+    from pipeline.data.datasets import checks_on_driver
+    return checks_on_driver(config.data.source, config.data)
 
 
 def load_dataset(config: Config, client=None):

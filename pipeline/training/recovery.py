@@ -82,7 +82,7 @@ def decide(exc: BaseException, cluster: ClusterState, retries: int, *, where: st
     return Replay(retries)
 
 
-def resume_hint(out, anchor_round: int, has_checkpoints: bool) -> str:
+def resume_hint(out, anchor_round: int, has_checkpoint: bool) -> str:
     """``; <where the run can go on from>`` for the error that ends it.
 
     >>> resume_hint(None, 5, True)
@@ -92,7 +92,7 @@ def resume_hint(out, anchor_round: int, has_checkpoints: bool) -> str:
     """
     if out is None:
         return "; no --out was given, so there is nothing to resume"
-    if anchor_round >= 0 and has_checkpoints:
+    if anchor_round >= 0 and has_checkpoint:
         return (f"; the last checkpoint is round {anchor_round}: resume with "
                 f"`python -m pipeline train --resume {out}`")
     return f"; no checkpoint yet: start again with --out {out} --overwrite"

@@ -55,7 +55,7 @@ def test_has_checkpoint_counts_only_round_directories_of_ours(tmp_path):
     from pipeline.outputs.run_dir import RunDir
     (tmp_path / "checkpoints").mkdir()
     assert not fs.has_checkpoint(tmp_path)
-    assert not RunDir(tmp_path, None).has_checkpoints()  # an empty checkpoints/ holds none
+    assert not RunDir(tmp_path, None).has_checkpoint()  # an empty checkpoints/ holds none
     elsewhere = checkpoint.save(tmp_path / "other", _state(1), {}, {})
     (tmp_path / "checkpoints" / elsewhere.name).symlink_to(elsewhere)
     assert not fs.has_checkpoint(tmp_path)  # a link is never read or pruned, so never counted

@@ -1,5 +1,5 @@
-"""``async``: asynchronous updates through a parameter server built as a Dask graph (seed 000's
-fourth method, "Asynchronous Update").
+"""``async``: asynchronous updates through a parameter server built as a Dask graph (the
+"asynchronous update" of Dean et al. 2012's Downpour SGD; docs/strategies.md).
 
 No barrier: each replica pulls the newest parameters, takes H local steps (``push="delta"``;
 ``average.mix_every``) or computes one gradient (``push="gradient"``), and pushes its update; an
