@@ -14,7 +14,8 @@ from pipeline.training.telemetry import StageClock
 from tests.clusters import REPO
 
 # Modules that must import neither dask nor a framework (pure array code, plans, decisions).
-PURE = ["augment", "pipeline.core.config", "pipeline.core.errors", "pipeline.core.rng",
+PURE = ["augment", "pipeline.core.config", "pipeline.core.fields", "pipeline.core.errors",
+        "pipeline.core.rng",
         "pipeline.core.keys", "pipeline.core.schedule", "pipeline.core.threads",
         "pipeline.core.interrupt", "pipeline.core.files", "pipeline.core.npz", "pipeline.backends",
         "pipeline.cluster", "pipeline.cluster.watchdog", "pipeline.cluster.assignments",
@@ -224,3 +225,14 @@ def test_same_bits_as_the_head_before_the_packages(tmp_path):
     before, now = _fixed_run(tmp_path / "before"), _fixed_run(REPO)
     assert set(now) == {"ipm", "gradient", "async", "resnet20"}
     assert now == before
+
+
+def test_only_the_backends_import_a_framework():
+    """Training, evaluation, outputs, the cluster and the CLI ask ``pipeline.backends`` for the
+    model (check, build, load, GPU report), never Chainer's models or state code."""
+    outside = [f for f in sorted((REPO / "pipeline").rglob("*.py"))
+               if "backends" not in f.relative_to(REPO / "pipeline").parts
+               and f.name != "_moved.py"]
+    leaks = [f"{f.relative_to(REPO)} -> {t}" for f in outside for t in _imports(f)
+             if t.startswith("pipeline.backends.")]
+    assert leaks == []

@@ -27,7 +27,28 @@ class StepStats(NamedTuple):
 
 
 class Backend(Protocol):
-    """Per-task operations on host state dicts; ``spec`` is a ``tasks.StepSpec``/``EvalSpec``."""
+    """Per-task operations on host state dicts; ``spec`` is a ``tasks.StepSpec``/``EvalSpec``.
+
+    The driver's side (the loop, ``load_model``, ``evaluate``) asks it for the model too, so
+    nothing outside the backend imports the framework's models or state code."""
+
+    def model_names(self) -> tuple[str, ...]:
+        """The models the backend builds by name (its registry)."""
+
+    def gpu_report(self) -> tuple[str | None, str]:
+        """On a worker: (None, one line on the framework's CUDA stack), or (why it cannot use
+        the GPU there, "")."""
+
+    def check_model(self, model: str) -> str:
+        """``model`` if the backend builds it, else ValueError naming the field and the choices."""
+
+    def to_model(self, model: str, n_classes: int, params: State) -> Any:
+        """The framework's model object (a Chainer Link) holding ``params``, on the host."""
+
+    def load_weights(self, model: str, n_classes: int, path: str) -> State:
+        """The state dict in the weights file ``path`` (a ``model.npz``), checked against the
+        model's names, shapes and dtypes before any data is read: ``npz.Mismatch`` when they
+        differ, ``DataError`` when it is not a readable file."""
 
     def init_params(self, model: str, n_classes: int, seed: int) -> State:
         """The initial weights every replica starts from (drawn from the run's "init" stream)."""

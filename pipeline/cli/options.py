@@ -124,8 +124,8 @@ def help_text(o: Option, frame: str = "{}") -> str:
 def _registries() -> dict:
     """Fields whose values are names in a registry: {dest: () -> names}."""
     def models():
-        from pipeline.backends.chainer.models import MODELS
-        return tuple(MODELS)
+        from pipeline.backends import get_backend
+        return get_backend().model_names()
 
     def strategies():
         from pipeline.training.strategies import NAMES

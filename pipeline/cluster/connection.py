@@ -303,9 +303,8 @@ def require_resource(client: distributed.Client, name: str, timeout: float, *,
 
 def gpu_report() -> tuple[str | None, str]:
     """On a worker: (None, one line on its CUDA stack) or (why Chainer cannot use CUDA there, "")."""
-    from pipeline.backends.chainer import compat
-    reason = compat.cuda_status(check_device=True)
-    return (reason, "") if reason else (None, compat.cuda_summary())
+    from pipeline.backends import get_backend
+    return get_backend().gpu_report()
 
 
 def check_gpu_workers(client: distributed.Client, name: str) -> list[str]:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import numbers
 import re
 from dataclasses import dataclass, field
+
+from pipeline.core.fields import WORDS, check, check_types, in_range, is_kind, opt, short
 
 STRATEGIES = ("single", "gradient", "mixture", "ipm", "async")  # pipeline.training.strategies
 #                                         registers one class per name (a test checks both agree)
@@ -27,67 +27,6 @@ LABEL_KINDS = ("fine", "coarse")
 MAX_EPOCHS = 100_000.0
 MAX_REPLICAS = 4096  # also what a checkpoint may hold (pipeline.outputs.checkpoint.MAX_REPLICAS)
 DAY_S = 86_400.0  # longest timeout: a day
-
-
-def opt(default, help: str, *, flag: str | None = None, metavar: str | None = None,
-        unit: str = "", none: str | None = None, choices: tuple = ()):
-    """A config field with its one description: ``help`` (meaning, and what None or "auto"
-    stands for), ``unit`` of its value and the ``choices`` its validation accepts. With ``flag``
-    it is also an option of ``python -m pipeline train`` (pipeline.cli.options builds them);
-    ``none`` is the default --help shows for None.
-
-    >>> dataclasses.fields(ModelConfig)[0].metadata["flag"]
-    '--model'
-    """
-    return field(default=default, metadata={"help": help, "flag": flag, "metavar": metavar,
-                                            "unit": unit, "none": none, "choices": choices})
-
-
-def _check(condition: bool, name: str, message: str, value) -> None:
-    if not condition:
-        raise ValueError(f"{name} {message}, got {_short(value)}")
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _is(value, kind: str) -> bool:
-    if kind == "None":
-        return value is None
-    if kind == "bool":
-        return isinstance(value, bool)
-    if kind == "int":
-        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if kind == "float":
-        return isinstance(value, numbers.Real) and not isinstance(value, bool)
-    return isinstance(value, str)
-
-
-_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
-          "None": "null"}
-
-
-def _check_types(section, prefix: str) -> None:
-    """Every field of a section has its declared type (``int``, ``float | None``, ...) and every
-    number is finite: config.json on a resume is input like any other."""
-    for f in dataclasses.fields(section):
-        value = getattr(section, f.name)
-        kinds = [k.strip() for k in str(f.type).split("|")]
-        name = f"{prefix}{f.name}"
-        if not any(_is(value, kind) for kind in kinds):
-            raise ValueError(f"{name} must be {' or '.join(_WORDS[k] for k in kinds)}, "
-                             f"got {_short(value)}")
-        if isinstance(value, numbers.Real) and not isinstance(value, bool) \
-                and not math.isfinite(value):
-            raise ValueError(f"{name} must be a finite number, got {_short(value)}")
-
-
-def _in(value, lo, hi, name: str, closed_lo: bool = True, closed_hi: bool = True) -> None:
-    ok = (lo <= value if closed_lo else lo < value) and (value <= hi if closed_hi else value < hi)
-    _check(ok, name, f"must be in {'[' if closed_lo else '('}{lo:g}, {hi:g}"
-                     f"{']' if closed_hi else ')'}", value)
 
 
 @dataclass(frozen=True)
@@ -129,20 +68,20 @@ class DataConfig:
     decode_chunk: int = opt(128, "images per scan- / decode- task", unit="images")
 
     def validate(self) -> None:
-        _check_types(self, "data.")
-        _check(bool(self.source), "data.source", "must not be empty", self.source)
-        _check(self.image_size is None or 16 <= self.image_size <= 1024, "data.image_size",
+        check_types(self, "data.")
+        check(bool(self.source), "data.source", "must not be empty", self.source)
+        check(self.image_size is None or 16 <= self.image_size <= 1024, "data.image_size",
                "must be in [16, 1024] pixels", self.image_size)
-        _check(0 < self.val_fraction < 1, "data.val_fraction", "must be in (0, 1)",
+        check(0 < self.val_fraction < 1, "data.val_fraction", "must be in (0, 1)",
                self.val_fraction)
-        _check(self.split_seed >= 0, "data.split_seed", "must be >= 0", self.split_seed)
-        _check(self.cache in CACHE_MODES, "data.cache", "must be auto, on or off",
+        check(self.split_seed >= 0, "data.split_seed", "must be >= 0", self.split_seed)
+        check(self.cache in CACHE_MODES, "data.cache", "must be auto, on or off",
                self.cache)
-        _check(self.max_pixels >= 1, "data.max_pixels", "must be >= 1", self.max_pixels)
-        _check(self.decode_chunk >= 1, "data.decode_chunk", "must be >= 1", self.decode_chunk)
-        _check(self.dataset in DATASETS, "data.dataset", "must be cifar10 or cifar100",
+        check(self.max_pixels >= 1, "data.max_pixels", "must be >= 1", self.max_pixels)
+        check(self.decode_chunk >= 1, "data.decode_chunk", "must be >= 1", self.decode_chunk)
+        check(self.dataset in DATASETS, "data.dataset", "must be cifar10 or cifar100",
                self.dataset)
-        _check(self.label_kind in LABEL_KINDS, "data.label_kind", "must be fine or coarse",
+        check(self.label_kind in LABEL_KINDS, "data.label_kind", "must be fine or coarse",
                self.label_kind)
 
 
@@ -159,10 +98,10 @@ class AugmentConfig:
                         "shard)", flag="--prefetch", metavar="N", unit="rounds")
 
     def validate(self) -> None:
-        _check_types(self, "augment.")
-        _check(self.chunk >= 1, "augment.chunk", "must be >= 1", self.chunk)
-        _check(self.prefetch >= 0, "augment.prefetch", "must be >= 0", self.prefetch)
-        _check(self.prefetch <= 100, "augment.prefetch", "must be <= 100 (rounds held ahead)",
+        check_types(self, "augment.")
+        check(self.chunk >= 1, "augment.chunk", "must be >= 1", self.chunk)
+        check(self.prefetch >= 0, "augment.prefetch", "must be >= 0", self.prefetch)
+        check(self.prefetch <= 100, "augment.prefetch", "must be <= 100 (rounds held ahead)",
                self.prefetch)
 
 
@@ -179,9 +118,9 @@ class ModelConfig:
                            flag="--cpu-kernels", metavar="KIND", choices=CPU_KERNELS)
 
     def validate(self) -> None:
-        _check_types(self, "model.")
-        _in(self.n_classes, 2, 100_000, "model.n_classes")
-        _check(self.cpu_kernels in CPU_KERNELS, "model.cpu_kernels",
+        check_types(self, "model.")
+        in_range(self.n_classes, 2, 100_000, "model.n_classes")
+        check(self.cpu_kernels in CPU_KERNELS, "model.cpu_kernels",
                f"must be one of {CPU_KERNELS}", self.cpu_kernels)
 
 
@@ -237,37 +176,37 @@ class TrainConfig:
                     flag="--tta")
 
     def validate(self) -> None:
-        _check_types(self, "train.")
-        _check(self.strategy in STRATEGIES, "train.strategy", f"must be one of {STRATEGIES}",
+        check_types(self, "train.")
+        check(self.strategy in STRATEGIES, "train.strategy", f"must be one of {STRATEGIES}",
                self.strategy)
-        _check(self.replicas >= 1, "train.replicas", "must be >= 1", self.replicas)
-        _check(self.replicas <= MAX_REPLICAS, "train.replicas", f"must be <= {MAX_REPLICAS}",
+        check(self.replicas >= 1, "train.replicas", "must be >= 1", self.replicas)
+        check(self.replicas <= MAX_REPLICAS, "train.replicas", f"must be <= {MAX_REPLICAS}",
                self.replicas)
-        _check(self.strategy != "single" or self.replicas == 1, "train.replicas",
+        check(self.strategy != "single" or self.replicas == 1, "train.replicas",
                "must be 1 for strategy single", self.replicas)
-        _check(self.epochs > 0, "train.epochs", "must be > 0", self.epochs)
-        _check(self.epochs <= MAX_EPOCHS, "train.epochs", f"must be <= {MAX_EPOCHS:g}",
+        check(self.epochs > 0, "train.epochs", "must be > 0", self.epochs)
+        check(self.epochs <= MAX_EPOCHS, "train.epochs", f"must be <= {MAX_EPOCHS:g}",
                self.epochs)
-        _check(self.batch_size >= 1, "train.batch_size", "must be >= 1", self.batch_size)
-        _check(self.batch_size <= 1 << 20, "train.batch_size", "must be <= 1048576",
+        check(self.batch_size >= 1, "train.batch_size", "must be >= 1", self.batch_size)
+        check(self.batch_size <= 1 << 20, "train.batch_size", "must be <= 1048576",
                self.batch_size)
-        _check(self.optimizer in OPTIMIZERS, "train.optimizer", f"must be one of {OPTIMIZERS}",
+        check(self.optimizer in OPTIMIZERS, "train.optimizer", f"must be one of {OPTIMIZERS}",
                self.optimizer)
-        _check(self.lr > 0, "train.lr", "must be > 0", self.lr)
-        _check(0 <= self.momentum < 1, "train.momentum", "must be in [0, 1)", self.momentum)
-        _check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0", self.weight_decay)
+        check(self.lr > 0, "train.lr", "must be > 0", self.lr)
+        check(0 <= self.momentum < 1, "train.momentum", "must be in [0, 1)", self.momentum)
+        check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0", self.weight_decay)
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
-            _check(value is None or 0 <= value < 1, f"train.{name}", "must be in [0, 1)", value)
-        _check(self.adam_eps is None or self.adam_eps > 0, "train.adam_eps", "must be > 0",
+            check(value is None or 0 <= value < 1, f"train.{name}", "must be in [0, 1)", value)
+        check(self.adam_eps is None or self.adam_eps > 0, "train.adam_eps", "must be > 0",
                self.adam_eps)
-        _check(self.lr_scaling in LR_SCALINGS, "train.lr_scaling", f"must be one of {LR_SCALINGS}",
+        check(self.lr_scaling in LR_SCALINGS, "train.lr_scaling", f"must be one of {LR_SCALINGS}",
                self.lr_scaling)
-        _check(self.lr_decay in LR_DECAYS, "train.lr_decay", f"must be one of {LR_DECAYS}",
+        check(self.lr_decay in LR_DECAYS, "train.lr_decay", f"must be one of {LR_DECAYS}",
                self.lr_decay)
-        _check(self.warmup_epochs is None or self.warmup_epochs >= 0, "train.warmup_epochs",
+        check(self.warmup_epochs is None or self.warmup_epochs >= 0, "train.warmup_epochs",
                "must be >= 0", self.warmup_epochs)
-        _check(self.device in DEVICES, "train.device", f"must be one of {DEVICES}", self.device)
+        check(self.device in DEVICES, "train.device", f"must be one of {DEVICES}", self.device)
 
 
 _MIX_RE = re.compile(r"^(\d{1,9})(ep)?$")  # nine digits: a billion steps is past any plan
@@ -307,25 +246,25 @@ class AverageConfig:
                            flag="--link-gbps", metavar="GBPS", unit="Gb/s")
 
     def validate(self) -> None:
-        _check_types(self, "average.")
+        check_types(self, "average.")
         match = _MIX_RE.match(str(self.mix_every))
-        _check(match is not None and int(match.group(1)) >= 1, "average.mix_every",
+        check(match is not None and int(match.group(1)) >= 1, "average.mix_every",
                "must be a positive step count like 10 or epochs like 1ep", self.mix_every)
-        _check(self.fan_in >= 2, "average.fan_in", "must be >= 2", self.fan_in)
-        _check(self.fan_in <= 1024, "average.fan_in", "must be <= 1024", self.fan_in)
-        _check(self.outer_lr is None or self.outer_lr > 0, "average.outer_lr", "must be > 0",
+        check(self.fan_in >= 2, "average.fan_in", "must be >= 2", self.fan_in)
+        check(self.fan_in <= 1024, "average.fan_in", "must be <= 1024", self.fan_in)
+        check(self.outer_lr is None or self.outer_lr > 0, "average.outer_lr", "must be > 0",
                self.outer_lr)
-        _check(self.outer_warmup_epochs is None or 0 <= self.outer_warmup_epochs <= MAX_EPOCHS,
+        check(self.outer_warmup_epochs is None or 0 <= self.outer_warmup_epochs <= MAX_EPOCHS,
                "average.outer_warmup_epochs", f"must be in [0, {MAX_EPOCHS:g}]",
                self.outer_warmup_epochs)
-        _check(0 <= self.outer_momentum < 1, "average.outer_momentum", "must be in [0, 1)",
+        check(0 <= self.outer_momentum < 1, "average.outer_momentum", "must be in [0, 1)",
                self.outer_momentum)
-        _check(self.optimizer_state in OPT_STATE_MODES, "average.optimizer_state",
+        check(self.optimizer_state in OPT_STATE_MODES, "average.optimizer_state",
                f"must be one of {OPT_STATE_MODES}", self.optimizer_state)
-        _check(self.algorithm in AVERAGE_ALGORITHMS, "average.algorithm",
+        check(self.algorithm in AVERAGE_ALGORITHMS, "average.algorithm",
                f"must be one of {AVERAGE_ALGORITHMS}", self.algorithm)
-        _in(self.shards, 0, 1024, "average.shards")  # tasks per average grow with S
-        _in(self.link_gbps, 0, 10_000, "average.link_gbps", closed_lo=False)
+        in_range(self.shards, 0, 1024, "average.shards")  # tasks per average grow with S
+        in_range(self.link_gbps, 0, 10_000, "average.link_gbps", closed_lo=False)
 
     def period(self, steps_per_epoch: int) -> int:
         """H in local steps: "10" -> 10, "2ep" -> 2 * steps_per_epoch."""
@@ -357,14 +296,14 @@ class AsyncConfig:
                                      flag="--replay-updates", metavar="FILE")
 
     def validate(self) -> None:
-        _check_types(self, "asynchronous.")
-        _check(self.order in ASYNC_ORDERS, "asynchronous.order", f"must be one of {ASYNC_ORDERS}",
+        check_types(self, "asynchronous.")
+        check(self.order in ASYNC_ORDERS, "asynchronous.order", f"must be one of {ASYNC_ORDERS}",
                self.order)
-        _check(self.max_staleness is None or self.max_staleness >= 0,
+        check(self.max_staleness is None or self.max_staleness >= 0,
                "asynchronous.max_staleness", "must be >= 0", self.max_staleness)
-        _check(self.staleness_scaling in STALENESS_SCALINGS, "asynchronous.staleness_scaling",
+        check(self.staleness_scaling in STALENESS_SCALINGS, "asynchronous.staleness_scaling",
                f"must be one of {STALENESS_SCALINGS}", self.staleness_scaling)
-        _check(self.push in ASYNC_PUSHES, "asynchronous.push", f"must be one of {ASYNC_PUSHES}",
+        check(self.push in ASYNC_PUSHES, "asynchronous.push", f"must be one of {ASYNC_PUSHES}",
                self.push)
 
 
@@ -422,26 +361,26 @@ class ClusterConfig:
                              unit="s")
 
     def validate(self) -> None:
-        _check_types(self, "cluster.")
-        _check(self.workers is None or 1 <= self.workers <= 1024, "cluster.workers",
+        check_types(self, "cluster.")
+        check(self.workers is None or 1 <= self.workers <= 1024, "cluster.workers",
                "must be in [1, 1024]", self.workers)
-        _check(1 <= self.threads_per_worker <= 1024, "cluster.threads_per_worker",
+        check(1 <= self.threads_per_worker <= 1024, "cluster.threads_per_worker",
                "must be in [1, 1024]", self.threads_per_worker)
         tls = (self.tls_ca_file, self.tls_cert, self.tls_key)
-        _check(all(tls) or not any(tls), "cluster.tls", "needs all of ca file, cert and key", tls)
-        _in(self.connect_timeout, 0, DAY_S, "cluster.connect_timeout", closed_lo=False)
-        _in(self.resource_timeout, 0, DAY_S, "cluster.resource_timeout")
-        _check(1 <= self.gpu_workers_per_device <= 64, "cluster.gpu_workers_per_device",
+        check(all(tls) or not any(tls), "cluster.tls", "needs all of ca file, cert and key", tls)
+        in_range(self.connect_timeout, 0, DAY_S, "cluster.connect_timeout", closed_lo=False)
+        in_range(self.resource_timeout, 0, DAY_S, "cluster.resource_timeout")
+        check(1 <= self.gpu_workers_per_device <= 64, "cluster.gpu_workers_per_device",
                "must be in [1, 64]", self.gpu_workers_per_device)
-        _check(1 <= self.gpu_threads <= 64, "cluster.gpu_threads", "must be in [1, 64]",
+        check(1 <= self.gpu_threads <= 64, "cluster.gpu_threads", "must be in [1, 64]",
                self.gpu_threads)
-        _check(0 <= self.loader_workers <= 1024, "cluster.loader_workers", "must be in [0, 1024]",
+        check(0 <= self.loader_workers <= 1024, "cluster.loader_workers", "must be in [0, 1024]",
                self.loader_workers)
-        _in(self.stall_report, 1, 1e6, "cluster.stall_report")
-        _check(self.stall_retire == 0 or self.stall_report <= self.stall_retire <= 1e6,
+        in_range(self.stall_report, 1, 1e6, "cluster.stall_report")
+        check(self.stall_retire == 0 or self.stall_report <= self.stall_retire <= 1e6,
                "cluster.stall_retire", "must be 0 (never) or in [cluster.stall_report, 1e6]",
                self.stall_retire)
-        _in(self.stall_min_s, 0, DAY_S, "cluster.stall_min_s")
+        in_range(self.stall_min_s, 0, DAY_S, "cluster.stall_min_s")
 
 
 @dataclass(frozen=True)
@@ -479,22 +418,22 @@ class Config:
 
     def validate(self) -> "Config":
         for name in _SECTIONS:
-            _check(isinstance(getattr(self, name), _SECTIONS[name]), name,
+            check(isinstance(getattr(self, name), _SECTIONS[name]), name,
                    "must be a section (a JSON object)", getattr(self, name))
         for name in _SECTIONS:
             getattr(self, name).validate()
         for f in dataclasses.fields(self):
             if f.name not in _SECTIONS:
                 kinds = [k.strip() for k in str(f.type).split("|")]
-                _check(any(_is(getattr(self, f.name), k) for k in kinds), f.name,
-                       f"must be {' or '.join(_WORDS[k] for k in kinds)}", getattr(self, f.name))
-        _check(self.seed >= 0, "seed", "must be >= 0", self.seed)
-        _check(self.out is None or self.out != "", "out",
+                check(any(is_kind(getattr(self, f.name), k) for k in kinds), f.name,
+                       f"must be {' or '.join(WORDS[k] for k in kinds)}", getattr(self, f.name))
+        check(self.seed >= 0, "seed", "must be >= 0", self.seed)
+        check(self.out is None or self.out != "", "out",
                "must be a directory path (or None for no outputs)", self.out)
-        _check(self.eval_every >= 0, "eval_every", "must be >= 0", self.eval_every)
-        _check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0",
+        check(self.eval_every >= 0, "eval_every", "must be >= 0", self.eval_every)
+        check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0",
                self.checkpoint_every)
-        _check(self.anchor_every >= 0, "anchor_every", "must be >= 0", self.anchor_every)
+        check(self.anchor_every >= 0, "anchor_every", "must be >= 0", self.anchor_every)
         return self
 
     def replace(self, **sections) -> "Config":
@@ -534,7 +473,7 @@ class Config:
             if name in _SECTIONS:
                 if not isinstance(value, dict):
                     raise ValueError(f"{name} must be a section (a JSON object), got "
-                                     f"{_short(value)}")
+                                     f"{short(value)}")
                 known = {f.name for f in dataclasses.fields(_SECTIONS[name])}
                 unknown = [k for k in value if k not in known]
                 if unknown:

@@ -95,16 +95,16 @@ class RunDir:
         return self.path is not None and rundir.has_checkpoint(self.path)
 
 
-    def finish(self, model, history: list[dict], rounds: int, labels: dict) -> None:
-        """model.npz (Chainer's own format), curves.png and summary.json of a finished run."""
+    def finish(self, params: dict, history: list[dict], rounds: int, labels: dict) -> None:
+        """model.npz (the final state dict, in the layout Chainer's ``save_npz`` writes),
+        curves.png and summary.json of a finished run."""
         if self.path is None:
             return
         from pipeline.core import npz
         from pipeline.outputs.plots import save_curves
-        from pipeline.backends.chainer.state import get_state
         # what chainer's save_npz writes (compressed), in one atomic write (OutputError if full)
         checkpoint.write_atomic(self.path / "model.npz",
-                                npz.to_bytes(get_state(model), compress=True))
+                                npz.to_bytes(params, compress=True))
         save_curves(history, self.path / "curves.png", **labels)
         last = history[-1] if history else {}
         summary = dict(status="done", rounds=rounds, epochs=self.config.train.epochs,

@@ -6,27 +6,32 @@ from pathlib import Path
 
 import dask
 
+from pipeline.backends import get_backend
 from pipeline.core import keys, npz
-from pipeline.training import tasks
 from pipeline.core.errors import DataError, UsageError
-from pipeline.backends.chainer.models import build_model, check_model_name
-from pipeline.backends.chainer.state import get_state, load_npz
+from pipeline.training import tasks
 
 
-def load_weights(model_name: str, weights: str, n_classes: int):
-    """A registry model with the weights of ``weights`` (a ``model.npz``).
+def read_weights(model_name: str, weights: str, n_classes: int) -> dict:
+    """The state dict in ``weights`` (a ``model.npz``), checked against the registry model.
 
-    Read with our own ``.npz`` reader (``pipeline.core.npz``: no pickles, sizes checked first), never
-    Chainer's ``load_npz``, which unpickles. DataError for a file that is not a readable
+    Read with our own ``.npz`` reader (``pipeline.core.npz``: no pickles, sizes checked first),
+    never Chainer's ``load_npz``, which unpickles. DataError for a file that is not a readable
     ``.npz``; UsageError when its arrays are not the model's.
     """
-    check_model_name(model_name)
-    model = build_model(model_name, n_classes)
+    backend = get_backend()
+    backend.check_model(model_name)
     try:
-        return load_npz(model, weights)
+        return backend.load_weights(model_name, n_classes, weights)
     except npz.Mismatch as exc:
         raise UsageError(f"weights {weights} do not fit model {model_name} ({n_classes} "
                          f"classes): {exc.reason}") from None
+
+
+def load_weights(model_name: str, weights: str, n_classes: int):
+    """The registry model (a Chainer Link) with the weights of ``weights``; see read_weights."""
+    params = read_weights(model_name, weights, n_classes)
+    return get_backend().to_model(model_name, n_classes, params)
 
 
 def evaluate_weights(model_name: str, weights: str, source: str, tta: bool = False,
@@ -35,7 +40,7 @@ def evaluate_weights(model_name: str, weights: str, source: str, tta: bool = Fal
     image source's val split); ``data``: the DataConfig that says how to read it."""
     from pipeline.data.datasets import load_dataset
     ds = load_dataset(source, data)
-    params = get_state(load_weights(model_name, weights, ds.n_classes))
+    params = read_weights(model_name, weights, ds.n_classes)
     spec = tasks.EvalSpec(model_name, ds.n_classes, tta)
     images = ds.test_images.rechunk({0: chunk}).to_delayed().ravel()
     labels = ds.test_labels.rechunk({0: chunk}).to_delayed().ravel()

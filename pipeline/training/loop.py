@@ -15,8 +15,7 @@ import time
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from pipeline.backends.chainer.models import build_model
-from pipeline.backends.chainer.state import set_state
+from pipeline.backends import get_backend
 from pipeline.core.config import Config
 from pipeline.core.errors import DivergenceError, Interrupted, one_line
 from pipeline.outputs import fs as rundir
@@ -100,7 +99,7 @@ def _already_complete(config: Config, out, prep: Prepared, log) -> TrainOutput:
     path = Path(out) / "metrics.jsonl"  # a torn or garbled line is skipped
     history = rundir.read_metrics(path, last_round=1 << 62) if path.exists() else []
     params = {k: v for k, v in prep.state.params[0].items() if not k.startswith("opt/")}
-    model = set_state(build_model(config.model.name, prep.dataset.n_classes), params)
+    model = get_backend().to_model(config.model.name, prep.dataset.n_classes, params)
     return TrainOutput(history, model, params, str(out), config, status="complete")
 
 
@@ -295,8 +294,8 @@ class _Loop:
     # ---- the end ---------------------------------------------------------------------------
     def _finish(self, state: HostState, info: RunInfo) -> TrainOutput:
         params = self.setup.strategy(self.ctx, self.setup.graph).final_params(state)
-        model = set_state(build_model(self.config.model.name, self.ctx.n_classes), params)
-        self.out.finish(model, self.history, len(self.rounds), curve_labels(info))
+        model = get_backend().to_model(self.config.model.name, self.ctx.n_classes, params)
+        self.out.finish(params, self.history, len(self.rounds), curve_labels(info))
         path = self.out.path
         return TrainOutput(self.history, model, params, str(path) if path else None, self.config)
 

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import augment as aug
 from pipeline.averaging import exact as averaging
-from pipeline.backends.chainer.models import check_model_name
+from pipeline.backends import get_backend
 from pipeline.core.config import Config
 from pipeline.core.errors import ResumeError, UsageError
 from pipeline.outputs import checkpoint
@@ -23,7 +23,7 @@ def normalise(config: Config) -> Config:
     """``config`` validated, with its auto fields filled by the strategy's recipe (config.json
     shows them)."""
     config.validate()
-    check_model_name(config.model.name)
+    get_backend().check_model(config.model.name)
     aug.get_policy(config.augment.policy)  # ValueError naming augment.policy
     strategy = strategies.get(config.train.strategy)
     strategy.check(config)

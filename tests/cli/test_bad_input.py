@@ -26,6 +26,12 @@ from pipeline.data import datasets as data
 from pipeline.core import files
 from pipeline.cli.parser import main
 from tests.clusters import REPO, free_port
+from tests.helpers import run_cli
+
+
+def run_train(*args: str, timeout: float = 90):
+    return run_cli("train", *args, timeout=timeout)
+
 
 GOOD = ["--data", "synthetic:64:16", "--model", "small-cnn", "--strategy", "ipm",
         "--replicas", "2", "--batch-size", "8", "--mix-every", "2", "--epochs", "0.5",
@@ -336,15 +342,8 @@ def test_refused_input_creates_no_output_directory(capsys, tmp_path, scheduler):
 # --- a real subprocess: exit status 2, one line, no traceback ------------------------------------
 
 
-def _cli(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
-    env.pop("DASK_SCHEDULER_ADDRESS", None)
-    return subprocess.run([sys.executable, "-m", "pipeline", "train", *args], cwd=str(REPO),
-                          env=env, capture_output=True, text=True, timeout=timeout)
-
-
 def test_bad_argument_in_a_subprocess(tmp_path):
-    result = _cli(*GOOD, "--replicas", "0", "--out", str(tmp_path / "out"))
+    result = run_train(*GOOD, "--replicas", "0", "--out", str(tmp_path / "out"))
     assert result.returncode == 2 and result.stdout == ""
     assert "train.replicas must be >= 1" in _one_error_line(result.stderr)
     assert not (tmp_path / "out").exists()
@@ -352,13 +351,13 @@ def test_bad_argument_in_a_subprocess(tmp_path):
 
 def test_out_dir_that_is_a_file_in_a_subprocess(tmp_path):
     (tmp_path / "out").write_text("x")
-    result = _cli(*GOOD, "--out", str(tmp_path / "out"))
+    result = run_train(*GOOD, "--out", str(tmp_path / "out"))
     assert result.returncode == 2 and "is not a directory" in _one_error_line(result.stderr)
 
 
 def test_unreachable_scheduler_in_a_subprocess(tmp_path):
     address = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
-    result = _cli(*GOOD, "--scheduler", address, "--out", str(tmp_path / "out"))
+    result = run_train(*GOOD, "--scheduler", address, "--out", str(tmp_path / "out"))
     assert result.returncode == 2 and result.stdout == ""
     assert f"cannot reach scheduler at {address}" in _one_error_line(result.stderr)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
@@ -367,7 +366,7 @@ def test_unreachable_scheduler_in_a_subprocess(tmp_path):
 @pytest.mark.cluster
 def test_malicious_pickle_through_train_in_a_subprocess(tmp_path, cifar_copy):
     source = _malicious(cifar_copy, tmp_path)
-    result = _cli(*GOOD, "--data", source, "--workers", "1", "--out", str(tmp_path / "out"))
+    result = run_train(*GOOD, "--data", source, "--workers", "1", "--out", str(tmp_path / "out"))
     assert result.returncode == 2 and result.stdout == ""
     assert "refused pickle global posix.system" in _one_error_line(result.stderr)
     assert not (tmp_path / "pwned").exists()

@@ -17,13 +17,9 @@ from pipeline.data import cifar
 from pipeline.data import datasets as data
 from pipeline.cli.parser import main
 from tests.conftest import TINY_TEST, TINY_TRAIN
+from tests.helpers import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _cli(*args, cwd=REPO, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
 
 
 def _one_error_line(stderr: str) -> str:
@@ -44,10 +40,10 @@ class _Reduce:
 
 
 def test_synth_then_inspect_in_a_subprocess(tmp_path):
-    made = _cli("synth", "--out", str(tmp_path), "--train", "60", "--test", "20", "--seed", "3")
+    made = run_cli("synth", "--out", str(tmp_path), "--train", "60", "--test", "20", "--seed", "3")
     assert made.returncode == 0, made.stderr
     assert made.stdout.strip() == str(tmp_path / "cifar-10-batches-py")
-    shown = _cli("inspect", "--data", made.stdout.strip())
+    shown = run_cli("inspect", "--data", made.stdout.strip())
     assert shown.returncode == 0, shown.stderr
     assert len(shown.stdout.strip().splitlines()) == 1
     info = json.loads(shown.stdout)
@@ -62,7 +58,7 @@ def test_malicious_batch_is_refused_with_exit_2_and_never_runs(cifar_copy, tmp_p
     marker = tmp_path / "pwned"
     payload = pickle.dumps(_Reduce(os.system, f"touch {marker}"), protocol=2)
     (cifar_copy / "data_batch_3").write_bytes(payload)
-    result = _cli("inspect", "--data", str(cifar_copy))
+    result = run_cli("inspect", "--data", str(cifar_copy))
     assert result.returncode == 2 and result.stdout == ""
     line = _one_error_line(result.stderr)
     assert "data_batch_3: refused pickle global posix.system" in line
@@ -70,7 +66,7 @@ def test_malicious_batch_is_refused_with_exit_2_and_never_runs(cifar_copy, tmp_p
 
 
 def test_missing_path_exits_2_with_one_line_in_a_subprocess(tmp_path):
-    result = _cli("inspect", "--data", str(tmp_path / "absent"))
+    result = run_cli("inspect", "--data", str(tmp_path / "absent"))
     assert result.returncode == 2
     assert "absent: no such file or directory" in _one_error_line(result.stderr)
 

@@ -24,6 +24,7 @@ from pipeline import Config
 from pipeline.outputs import hooks
 from pipeline.cli.parser import build_parser, main
 from tests.clusters import REPO
+from tests.helpers import assert_same_bits
 
 # 256 images, K=2 x batch 8: 16 steps per epoch, H=4: 4 rounds per epoch.
 # --no-recipe: the settings exactly as given (the ipm recipe touches only Adam runs now; its first
@@ -46,12 +47,6 @@ def _lines(out: Path) -> list[dict]:
 def _weights(out: Path) -> dict:
     with np.load(out / "model.npz") as f:
         return {k: f[k] for k in f.files}
-
-
-def _equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes(), k
 
 
 def _no_cluster(*args, **kwargs):
@@ -157,7 +152,7 @@ def test_a_run_stopped_before_its_first_checkpoint_can_be_resumed(tmp_path, sche
     assert main(["train", "--resume", str(cut), *scheduler, "--no-progress"]) == 0
     assert "stopped before its first checkpoint: starting its run again from round 0" in \
         capsys.readouterr().err
-    _equal(_weights(cut), _weights(whole))
+    assert_same_bits(_weights(cut), _weights(whole))
     assert [x["round"] for x in _lines(cut)] == [0, 1, 2, 3]
 
 
@@ -197,7 +192,7 @@ def test_resume_with_more_epochs_equals_the_longer_run_and_time_counts_on(tmp_pa
     run = Path(shutil.copytree(two_epochs, tmp_path / "run"))
     before = _lines(run)
     assert main(["train", "--resume", str(run), "--epochs", "3", *scheduler]) == 0
-    _equal(_weights(run), _weights(longer))
+    assert_same_bits(_weights(run), _weights(longer))
     lines = _lines(run)
     assert [x["round"] for x in lines] == list(range(12)) and lines[:8] == before
     seconds = [x["seconds"] for x in lines]

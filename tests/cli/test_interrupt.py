@@ -23,6 +23,7 @@ from pipeline.backends.chainer.models import build_model
 from pipeline.backends.chainer.state import get_state
 from pipeline.training.loop import train
 from tests.clusters import train_cli as _cli
+from tests.helpers import assert_same_bits
 
 # 256 images, K=3 x batch 8, H=1: 20 rounds of ~0.1 s in 2 epochs; checkpoints at rounds 9, 19.
 ARGS = ["--data", "synthetic:256:64", "--model", "small-cnn", "--strategy", "ipm",
@@ -57,12 +58,6 @@ def _saved_weights(out: Path) -> dict:
     model = build_model("small-cnn")
     serializers.load_npz(str(out / "model.npz"), model)
     return get_state(model)
-
-
-def _equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes(), k
 
 
 def _stop_with(sig: int, driver: subprocess.Popen, out: Path, after: int) -> int:
@@ -107,7 +102,7 @@ def test_sigint_then_sigterm_mid_run_stop_with_checkpoints_and_resume_to_identic
     assert resumed.returncode == 0, stderr
     assert f"resuming {out} after round {second}" in stderr
     assert stdout.startswith(f"done: {ROUNDS} rounds")
-    _equal(_saved_weights(out), reference)
+    assert_same_bits(_saved_weights(out), reference)
     assert _rounds(out) == list(range(ROUNDS))
     seconds = _seconds(out)
     assert seconds == sorted(seconds)  # wall time counts on across both resumes
@@ -131,7 +126,7 @@ def test_a_stop_request_in_process_stops_at_a_round_boundary(tmp_path, dask_clie
     assert stopped in (5, 6)  # round 6 may already be in flight when round 5 is reported
     assert (tmp_path / "checkpoints" / f"round-{stopped:06d}").is_dir()
     result = train(config, client=dask_client, resume=True)
-    _equal(result.params, reference)
+    assert_same_bits(result.params, reference)
 
 
 def test_graceful_stop_sets_the_request_then_forces_on_a_second_signal():

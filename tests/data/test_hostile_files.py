@@ -30,6 +30,7 @@ from pipeline.core import npz
 from pipeline.cli.parser import main
 from pipeline.core.errors import DataError
 from tests.clusters import REPO
+from tests.helpers import run_cli
 
 try:  # the name NumPy itself pickles arrays with
     from numpy._core.multiarray import _reconstruct
@@ -56,12 +57,6 @@ def _one_line(stderr: str) -> str:
     lines = stderr.strip().splitlines()
     assert lines and lines[-1].startswith("error: ") and "Traceback" not in stderr, stderr
     return lines[-1]
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=str(REPO), env=env,
-                          capture_output=True, text=True, timeout=120)
 
 
 # --- 1. weights never run code ------------------------------------------------------------------
@@ -298,7 +293,7 @@ def test_hostile_pickles_in_a_subprocess_end_with_one_line_not_a_signal(tmp_path
     """Exit 2 and one line from a real process: before, the first one ended with SIGSEGV (139)."""
     for name in ("terabyte shape", "dtype larger than its buffer"):
         (cifar_copy / "data_batch_1").write_bytes(HOSTILE_PICKLES[name][0])
-        result = _cli("inspect", "--data", str(cifar_copy))
+        result = run_cli("inspect", "--data", str(cifar_copy))
         assert result.returncode == 2 and result.stdout == "", (name, result)
         assert "data_batch_1: " in _one_line(result.stderr)
 

@@ -5,11 +5,12 @@ import pytest
 from pipeline.outputs import checkpoint
 from pipeline.outputs.checkpoint import HostState
 from pipeline.core.errors import ResumeError
+from tests.helpers import host_state
 
 
 def _state(r):
-    p = {"conv1/W": np.full((2, 2), r, np.float32), "bn/N": np.array(r)}
-    return HostState(r, [p, p], [{"t": np.array(r)}, None], {"conv1/W": np.zeros((2, 2))})
+    return host_state(r, replicas=2, opts=True, outer=True)
+
 
 
 def test_save_load_round_trip(tmp_path):

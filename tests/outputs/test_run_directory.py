@@ -26,6 +26,7 @@ from pipeline.cli.parser import build_parser, main
 from pipeline.cli.commands import config_from_args
 from pipeline.core.config import ClusterConfig
 from pipeline.core.errors import ResumeError
+from tests.helpers import host_state
 
 GOOD = ["--data", "synthetic:64:16", "--model", "small-cnn", "--strategy", "ipm",
         "--replicas", "2", "--batch-size", "8", "--mix-every", "2", "--epochs", "0.5",
@@ -149,18 +150,13 @@ def test_an_overwrite_killed_midway_is_settled_by_the_next_command(run_copy):
     assert not (run_copy / rundir.PREVIOUS).exists() and not (run_copy / "model.npz").exists()
 
 
-def _state(r: int) -> HostState:
-    p = {"conv1/W": np.full((2, 2), r, np.float32)}
-    return HostState(r, [p], [None], None)
-
-
 def test_pruning_keeps_our_newest_and_touches_only_round_directories(tmp_path):
     root = tmp_path / "checkpoints"
     for name in ("round-9999999", "round-abc", "round-000007.bak", "round-00001"):
         (root / name).mkdir(parents=True)  # sort after ours as strings; none is ours
     (root / "round-000010").mkdir()  # a later checkpoint of a run this one replays
     for r in range(1, 4):
-        checkpoint.save(tmp_path, _state(r), {}, {})
+        checkpoint.save(tmp_path, host_state(r), {}, {})
     assert sorted(p.name for p in root.iterdir()) == [
         "round-000002", "round-000003", "round-000007.bak", "round-00001", "round-9999999",
         "round-abc"]

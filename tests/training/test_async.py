@@ -9,6 +9,7 @@ from pipeline.core.errors import UsageError
 from pipeline.training.strategies.asynchronous import InFlight, allowed, apply, fixed_order, read_order
 from pipeline.training.loop import train
 from tests.resuming import whole_and_resumed
+from tests.helpers import assert_same_bits
 
 SMALL = "synthetic:512:128"
 
@@ -20,12 +21,6 @@ def _config(**changes) -> Config:
             "average.mix_every": "2"}
     base.update(changes)
     return Config().replace(**base)
-
-
-def _equal(a: dict, b: dict):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes(), k
 
 
 def _updates(out) -> list[dict]:
@@ -80,7 +75,7 @@ def test_replay_reproduces_an_arrival_run_byte_for_byte(tmp_path, dask_client):
     replay = train(_config(**{"asynchronous.replay_updates": str(tmp_path / "arrival" /
                                                                   "updates.jsonl")}),
                    client=dask_client)
-    _equal(arrival.params, replay.params)
+    assert_same_bits(arrival.params, replay.params)
     assert [h["train_loss"] for h in arrival.history] == [h["train_loss"] for h in replay.history]
     line = arrival.history[-1]
     assert {"staleness_mean", "staleness_max", "updates_by_replica"} <= set(line)
@@ -90,7 +85,7 @@ def test_replay_reproduces_an_arrival_run_byte_for_byte(tmp_path, dask_client):
 def test_fixed_resume_equals_uninterrupted(tmp_path, dask_client):
     cfg = _config(**{"asynchronous.order": "fixed", "checkpoint_every": 2, "train.epochs": 2})
     whole, resumed = whole_and_resumed(cfg, tmp_path, dask_client)
-    _equal(whole.params, resumed.params)
+    assert_same_bits(whole.params, resumed.params)
     assert _updates(tmp_path / "cut") == _updates(tmp_path / "whole")
 
 
@@ -100,4 +95,4 @@ def test_fixed_order_identical_on_1_and_3_worker_processes():
                      "asynchronous.max_staleness": 4})
     one = train(cfg.replace(**{"cluster.workers": 1}))
     three = train(cfg.replace(**{"cluster.workers": 3}))
-    _equal(one.params, three.params)
+    assert_same_bits(one.params, three.params)

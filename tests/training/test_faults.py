@@ -31,6 +31,7 @@ from pipeline.backends.chainer.state import get_state
 from pipeline.training.loop import train
 from tests.clusters import subprocess_cluster
 from tests.clusters import train_cli as _cli
+from tests.helpers import assert_same_bits
 
 # 256 images, K=3 replicas of batch 8: 10 steps per epoch; H=1: 20 rounds in 2 epochs. The CLI
 # runs checkpoint every 10 rounds (the default: rounds 9 and 19), the in-process ones every 4
@@ -52,13 +53,6 @@ def _config(out=None, **changes) -> Config:
 def reference(dask_client):
     """The uninterrupted run's final weights (no output directory)."""
     return train(_config(), client=dask_client).params
-
-
-def _equal(a: dict, b: dict, context=None) -> None:
-    """Same keys, dtypes and bytes; ``context`` (the run's log, the kills) goes in the message."""
-    assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes(), (k, context)
 
 
 def _saved_weights(out: Path) -> dict:
@@ -138,8 +132,8 @@ def _train_with_kills(tmp_path, plan: dict[int, int], n_workers: int = 3):
 def test_worker_killed_mid_round_finishes_with_identical_weights(tmp_path, reference):
     result, killed, log, alive = _train_with_kills(tmp_path, {5: 0})
     assert alive == [False, True, True]
-    _equal(result.params, reference, (killed, log))
-    _equal(_saved_weights(tmp_path), reference)
+    assert_same_bits(result.params, reference, (killed, log))
+    assert_same_bits(_saved_weights(tmp_path), reference)
     assert _metric_rounds(tmp_path) == list(range(ROUNDS))  # replayed rounds reported once
     assert [x["round"] for x in result.history] == list(range(ROUNDS))
     assert len(_replays(log)) <= 1, log  # one replay at most (none if lineage sufficed)
@@ -166,7 +160,7 @@ def _replays(log: list[str]) -> list[tuple[int, int]]:
 def test_two_workers_lost_one_after_the_other(tmp_path, reference):
     result, killed, log, alive = _train_with_kills(tmp_path, {2: 0, 9: 1})
     assert alive == [False, False, True], killed
-    _equal(result.params, reference, (killed, log))
+    assert_same_bits(result.params, reference, (killed, log))
     assert _metric_rounds(tmp_path) == list(range(ROUNDS))
     _assert_from_checkpoints(log)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
@@ -254,7 +248,7 @@ def test_driver_killed_mid_run_resumes_to_identical_weights(tmp_path, reference)
         code, stdout, stderr = _finish(resumed)
     assert code == 0, stderr
     assert "resuming" in stderr and stdout.startswith(f"done: {ROUNDS} rounds")
-    _equal(_saved_weights(out), reference)
+    assert_same_bits(_saved_weights(out), reference)
     assert _metric_rounds(out) == list(range(ROUNDS))
     assert not [p for p in out.rglob(".*") if p.name.endswith(".tmp")]  # no half-written files
 
@@ -281,7 +275,7 @@ def test_scheduler_lost_stops_with_one_line_and_resumes(tmp_path, reference):
     with subprocess_cluster(2, resources={"CPU": 1}) as fresh:
         code, stdout, stderr = _finish(_cli("--resume", str(out), "--scheduler", fresh.address))
     assert code == 0, stderr
-    _equal(_saved_weights(out), reference)
+    assert_same_bits(_saved_weights(out), reference)
     assert _metric_rounds(out) == list(range(ROUNDS))
 
 
@@ -354,7 +348,7 @@ def test_damaged_latest_checkpoint_resumes_from_the_one_before(tmp_path, dask_cl
     result = train(_config(out), client=dask_client, resume=True, log=log.append)
     assert any(x.startswith("skipping checkpoint round-000011") for x in log), log
     assert any("resuming" in x and "after round 7" in x for x in log), log
-    _equal(result.params, reference)
+    assert_same_bits(result.params, reference)
     assert _metric_rounds(out) == list(range(ROUNDS))
     assert not [p.name for p in out.rglob(".*") if p.name != rundir.MARKER], "temporaries left"
 
@@ -370,7 +364,7 @@ def test_anchors_between_checkpoints_change_no_bit(dask_client, reference, chang
     config = _config(**changes, anchor_every=3)
     with distributed.get_task_stream(dask_client) as stream:
         result = train(config, client=dask_client)
-    _equal(result.params, expected)
+    assert_same_bits(result.params, expected)
     # Each replica's update of each round ran once: a train- task and its three picks.
     ran = Counter(str(t["key"]) for t in stream.data if "train-" in str(t["key"]))
     assert len(ran) == 4 * len(result.history) * config.train.replicas, ran
@@ -534,4 +528,4 @@ def test_async_lost_worker(tmp_path, dask_client, order):
         reference = train(_config(**changes, **{
             "asynchronous.replay_updates": str(tmp_path / "updates.jsonl")}),
             client=dask_client).params
-    _equal(result.params, reference, (killer.killed, lines))
+    assert_same_bits(result.params, reference, (killer.killed, lines))

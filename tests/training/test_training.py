@@ -11,6 +11,7 @@ from pipeline.backends.chainer.models import build_model
 from pipeline.backends.chainer.state import get_state
 from pipeline.training.loop import train
 from tests.resuming import whole_and_resumed
+from tests.helpers import assert_close, assert_same_bits
 
 SMALL = "synthetic:512:128"
 
@@ -25,25 +26,13 @@ def _config(tmp_path=None, **changes) -> Config:
     return Config().replace(**base)
 
 
-def _close(a: dict, b: dict, rtol=1e-4, atol=1e-5):
-    assert a.keys() == b.keys()
-    for k in a:
-        np.testing.assert_allclose(a[k], b[k], rtol=rtol, atol=atol, err_msg=k)
-
-
-def _equal(a: dict, b: dict):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes(), k
-
-
 def test_gradient_equals_single_with_k_times_b(dask_client):
     single = train(_config(**{"train.strategy": "single", "train.replicas": 1,
                               "train.batch_size": 32}), client=dask_client)
     gradient = train(_config(**{"train.strategy": "gradient", "train.replicas": 2}),
                      client=dask_client)
     assert len(gradient.history) == 16 and single.history[-1]["step"] == 16
-    _close(single.params, gradient.params)
+    assert_close(single.params, gradient.params)
 
 
 def test_ipm_h1_sgd_equals_gradient(dask_client):
@@ -52,7 +41,7 @@ def test_ipm_h1_sgd_equals_gradient(dask_client):
     gradient = train(_config(**common, **{"train.strategy": "gradient"}), client=dask_client)
     ipm = train(_config(**common, **{"train.strategy": "ipm", "average.mix_every": "1"}),
                 client=dask_client)
-    _close(gradient.params, ipm.params)
+    assert_close(gradient.params, ipm.params)
 
 
 @pytest.mark.slow
@@ -62,7 +51,7 @@ def test_weights_identical_on_1_and_3_worker_processes(tmp_path):
                      "cluster.threads_per_worker": 1})
     one = train(cfg.replace(**{"cluster.workers": 1}))
     three = train(cfg.replace(**{"cluster.workers": 3}))
-    _equal(one.params, three.params)
+    assert_same_bits(one.params, three.params)
 
 
 @pytest.mark.parametrize("strategy, replicas", [("mixture", 2), ("ipm", 2)])
@@ -71,7 +60,7 @@ def test_resume_equals_uninterrupted(tmp_path, dask_client, strategy, replicas):
                      "average.mix_every": "3", "checkpoint_every": 2,
                      "average.optimizer_state": "keep"})
     whole, resumed = whole_and_resumed(cfg, tmp_path, dask_client)
-    _equal(whole.params, resumed.params)
+    assert_same_bits(whole.params, resumed.params)
     lines = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
     assert [x["round"] for x in lines] == list(range(len(whole.history)))
 
@@ -92,7 +81,7 @@ def test_outputs(tmp_path, dask_client):
     assert lines[-1]["bytes_averaged"] == 2 * sum(v.nbytes for v in result.params.values())
     model = build_model("small-cnn")
     serializers.load_npz(str(tmp_path / "model.npz"), model)  # Chainer alone can read it
-    _equal(get_state(model), result.params)
+    assert_same_bits(get_state(model), result.params)
     assert (tmp_path / "curves.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "config.json").read_text())["train"]["strategy"] == "ipm"
 

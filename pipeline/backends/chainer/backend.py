@@ -12,9 +12,11 @@ import numpy as np
 
 import augment
 from pipeline.backends import State, StepStats
+from pipeline.backends.chainer import compat
 from pipeline.backends.chainer.compat import F, chainer
-from pipeline.backends.chainer.state import (cached_model, get_optimizer_state, get_state, make_optimizer,
-                                             param_keys, set_lr, set_optimizer_state, set_state, setup_optimizer)
+from pipeline.backends.chainer.state import (cached_model, get_optimizer_state, get_state,
+                                             load_npz, make_optimizer, param_keys, set_lr,
+                                             set_optimizer_state, set_state, setup_optimizer)
 
 _CHAINER_DEVICE = {"cpu": "@numpy", "gpu": "@cupy:0"}
 _MALLOC_TUNED = False
@@ -130,6 +132,26 @@ class ChainerBackend:
     """``pipeline.backends.Backend`` on Chainer 7 (NumPy on CPU, CuPy on a GPU)."""
 
     name = "chainer"
+
+    def model_names(self) -> tuple[str, ...]:
+        from pipeline.backends.chainer.models import MODELS
+        return tuple(MODELS)
+
+    def gpu_report(self) -> tuple[str | None, str]:
+        reason = compat.cuda_status(check_device=True)
+        return (reason, "") if reason else (None, compat.cuda_summary())
+
+    def check_model(self, model: str) -> str:
+        from pipeline.backends.chainer.models import check_model_name
+        return check_model_name(model)
+
+    def to_model(self, model: str, n_classes: int, params: State):
+        from pipeline.backends.chainer.models import build_model
+        return set_state(build_model(model, n_classes), params)
+
+    def load_weights(self, model: str, n_classes: int, path: str) -> State:
+        from pipeline.backends.chainer.models import build_model
+        return get_state(load_npz(build_model(model, n_classes), path))
 
     def init_params(self, model: str, n_classes: int, seed: int) -> State:
         from pipeline.backends.chainer.models import build_model

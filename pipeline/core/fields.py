@@ -1,0 +1,70 @@
+"""How a config field is declared and checked: ``opt`` (the field's one description: help, flag,
+unit, choices) and the checks every section's ``validate`` uses, each raising a ValueError that
+names the field."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import field
+
+
+def opt(default, help: str, *, flag: str | None = None, metavar: str | None = None,
+        unit: str = "", none: str | None = None, choices: tuple = ()):
+    """A config field with its one description: ``help`` (meaning, and what None or "auto"
+    stands for), ``unit`` of its value and the ``choices`` its validation accepts. With ``flag``
+    it is also an option of ``python -m pipeline train`` (pipeline.cli.options builds them);
+    ``none`` is the default --help shows for None.
+
+    >>> opt(0, "run seed", flag="--seed").metadata["flag"]
+    '--seed'
+    """
+    return field(default=default, metadata={"help": help, "flag": flag, "metavar": metavar,
+                                            "unit": unit, "none": none, "choices": choices})
+
+
+def check(condition: bool, name: str, message: str, value) -> None:
+    if not condition:
+        raise ValueError(f"{name} {message}, got {short(value)}")
+
+
+def short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def is_kind(value, kind: str) -> bool:
+    if kind == "None":
+        return value is None
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "int":
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return isinstance(value, str)
+
+
+WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
+          "None": "null"}
+
+
+def check_types(section, prefix: str) -> None:
+    """Every field of a section has its declared type (``int``, ``float | None``, ...) and every
+    number is finite: config.json on a resume is input like any other."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        kinds = [k.strip() for k in str(f.type).split("|")]
+        name = f"{prefix}{f.name}"
+        if not any(is_kind(value, kind) for kind in kinds):
+            raise ValueError(f"{name} must be {' or '.join(WORDS[k] for k in kinds)}, "
+                             f"got {short(value)}")
+        if isinstance(value, numbers.Real) and not isinstance(value, bool) \
+                and not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {short(value)}")
+
+
+def in_range(value, lo, hi, name: str, closed_lo: bool = True, closed_hi: bool = True) -> None:
+    ok = (lo <= value if closed_lo else lo < value) and (value <= hi if closed_hi else value < hi)
+    check(ok, name, f"must be in {'[' if closed_lo else '('}{lo:g}, {hi:g}"
+                     f"{']' if closed_hi else ')'}", value)
