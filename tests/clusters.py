@@ -237,7 +237,9 @@ def subprocess_cluster(n_workers: int = 2,
                        resources: Mapping[str, float] | Sequence[Mapping[str, float] | None] | None = None,
                        nthreads: int = 1, tls: Mapping[str, TLSFiles] | None = None,
                        dashboard: bool = True, timeout: float = START_TIMEOUT_S,
-                       env: Mapping[str, str] | None = None) -> Iterator[SubprocessCluster]:
+                       env: Mapping[str, str] | None = None,
+                       worker_env: Sequence[Mapping[str, str]] | None = None,
+                       nanny: bool = True) -> Iterator[SubprocessCluster]:
     """Start `dask scheduler` and `n_workers` x `dask worker --nworkers 1` on 127.0.0.1.
 
     resources: one mapping for every worker, or a list with one (or None) per worker, e.g.
@@ -246,7 +248,8 @@ def subprocess_cluster(n_workers: int = 2,
     is connected (at most `timeout` s, else TimeoutError with the logs); on exit stops workers,
     then the scheduler (SIGTERM, SIGKILL after 10 s), even when the body raised. env: variables
     set for the processes on top of this one's, e.g. Dask config
-    (`DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED="False"`).
+    (`DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED="False"`); worker_env: one mapping per worker
+    on top of that (`[{"OPENBLAS_CORETYPE": "Haswell"}, ...]`). nanny=False: `--no-nanny`.
     """
     import distributed
 
@@ -276,8 +279,9 @@ def subprocess_cluster(n_workers: int = 2,
                 "worker", address, "--nworkers", "1", "--nthreads", str(nthreads),
                 "--host", "127.0.0.1", "--name", f"worker-{i}", "--no-dashboard",
                 "--death-timeout", str(int(timeout)), "--local-directory", str(logdir / f"w{i}"),
-                *_resource_arg(res), *_tls_args(tls and tls["worker"])),
-                logdir / f"worker-{i}.log", env))
+                *_resource_arg(res), *_tls_args(tls and tls["worker"]),
+                *([] if nanny else ["--no-nanny"])),
+                logdir / f"worker-{i}.log", {**env, **(worker_env[i] if worker_env else {})}))
         security = client_security(tls and tls["client"])
         port = (info.get("services") or {}).get("dashboard")
         cluster = SubprocessCluster(address, port and f"http://127.0.0.1:{port}/status", security,

@@ -1,0 +1,139 @@
+"""Which BLAS kernel each worker runs: one warning line where they differ, and pinning one kernel.
+
+OpenBLAS picks its kernels by CPU when it loads (``OPENBLAS_CORETYPE`` overrides the choice), and
+different kernels add in different orders: the same run gives other bits under SkylakeX than
+under Haswell (docs/reliability.md, "The scope of byte-identical"). Results are the same bits on
+any number of workers of one kind; on a cluster that mixes kinds they depend on which worker ran
+which replica. :func:`check` says so at the start of a run, and with ``cluster.blas_kernel`` every
+worker runs one kernel: the embedded cluster's workers are started with it, an external
+cluster's nannies restart their workers with it.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import NamedTuple
+
+from pipeline.core.errors import ClusterError
+
+ENV = "OPENBLAS_CORETYPE"
+_KERNEL = re.compile(r"^[A-Za-z][A-Za-z0-9_]{1,31}$")
+
+
+class Blas(NamedTuple):
+    """What one process multiplies matrices with."""
+    kernel: str  # OpenBLAS's architecture ("SkylakeX", "Haswell"), or the library's name
+    library: str  # "openblas 0.3.31.188.0"
+    numpy: str  # NumPy's version
+
+
+def local() -> Blas:
+    """This process's BLAS (runs on each worker)."""
+    import numpy
+    from threadpoolctl import threadpool_info
+    found = [i for i in threadpool_info() if i.get("user_api") == "blas"]
+    if not found:
+        return Blas("none", "none", numpy.__version__)
+    info = found[0]
+    return Blas(str(info.get("architecture") or info.get("internal_api")),
+                f"{info.get('internal_api')} {info.get('version')}", numpy.__version__)
+
+
+def mismatch(blas: dict[str, Blas]) -> str | None:
+    """One line when the workers' kernels or libraries differ, else None.
+
+    >>> a, b = Blas("SkylakeX", "openblas 0.3.31", "2.3.5"), Blas("Haswell", "openblas 0.3.31", "2.3.5")
+    >>> mismatch({"tcp://a:1": a, "tcp://b:2": a}) is None
+    True
+    >>> print(mismatch({"tcp://a:1": a, "tcp://b:2": b, "tcp://c:3": b}))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    warning: the workers run different BLAS (SkylakeX, openblas 0.3.31, numpy 2.3.5 on tcp://a:1;
+    Haswell, openblas 0.3.31, numpy 2.3.5 on tcp://b:2, tcp://c:3): results then depend on which
+    worker ran which replica; --blas-kernel KERNEL runs one kernel everywhere
+    (docs/reliability.md)
+    """
+    kinds = _kinds(blas)
+    return None if kinds is None else (f"warning: the workers run different BLAS ({kinds}): results then depend on which "
+            "worker ran which replica; --blas-kernel KERNEL runs one kernel everywhere "
+            "(docs/reliability.md)")
+
+
+def _kinds(blas: dict[str, Blas]) -> str | None:
+    """"K, lib, numpy V on w1, w2; ..." for two or more kinds, None for one."""
+    groups: dict[Blas, list[str]] = {}
+    for worker, info in sorted(blas.items()):
+        groups.setdefault(info, []).append(worker)
+    if len(groups) < 2:
+        return None
+    return "; ".join(f"{b.kernel}, {b.library}, numpy {b.numpy} on {', '.join(w)}"
+                     for b, w in groups.items())
+
+
+def check_kernel(kernel: str | None) -> str | None:
+    """``kernel`` if it can be an ``OPENBLAS_CORETYPE`` value (a name), else ClusterError.
+
+    >>> check_kernel("Haswell"), check_kernel(None)
+    ('Haswell', None)
+    >>> check_kernel("Haswell; rm")
+    Traceback (most recent call last):
+    ...
+    pipeline.core.errors.ClusterError: cluster.blas_kernel (--blas-kernel): 'Haswell; rm' is not \
+an OpenBLAS kernel name (Haswell, SkylakeX, Sandybridge, Zen, ...)
+    """
+    if kernel is None or _KERNEL.match(kernel):
+        return kernel
+    raise ClusterError(f"cluster.blas_kernel (--blas-kernel): {kernel!r} is not an OpenBLAS "
+                       "kernel name (Haswell, SkylakeX, Sandybridge, Zen, ...)")
+
+
+def spawn_environ(kernel: str | None) -> dict:
+    """Dask config that makes nannies start their workers with ``kernel`` (empty without one).
+
+    >>> spawn_environ("Haswell")
+    {'distributed.nanny.pre-spawn-environ.OPENBLAS_CORETYPE': 'Haswell'}
+    """
+    return {f"distributed.nanny.pre-spawn-environ.{ENV}": kernel} if kernel else {}
+
+
+# ---------------------------------------------------------------------------------------------
+# The Dask side (the client is passed in: this module imports no dask)
+
+
+def survey(client) -> dict[str, Blas]:
+    """{worker address: its BLAS}."""
+    return {addr: Blas(*info) for addr, info in client.run(local).items()}
+
+
+def _set_kernel(kernel: str, dask_worker=None) -> None:
+    """Runs on a nanny: its next worker process starts with ``OPENBLAS_CORETYPE=kernel``."""
+    dask_worker.pre_spawn_env[ENV] = kernel
+    dask_worker.env[ENV] = kernel
+
+
+def pin(client, kernel: str, timeout: float) -> None:
+    """Restart an external cluster's workers with ``kernel``; ClusterError where one cannot be
+    (a worker without a nanny) or the workers still differ afterwards."""
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    bare = sorted(a for a, w in workers.items() if not w.get("nanny"))
+    if bare:
+        raise ClusterError(f"--blas-kernel {kernel}: worker(s) {', '.join(bare)} run without a "
+                           f"nanny, so they cannot be restarted with {ENV}={kernel}; start them "
+                           f"with {ENV}={kernel} in their environment")
+    client.run(_set_kernel, kernel, nanny=True)
+    client.restart(timeout=timeout, wait_for_workers=True)
+
+
+def check(client, kernel: str | None, log: Callable[[str], None], *, restart: bool,
+          timeout: float = 60.0) -> dict[str, Blas]:
+    """At the start of a run: pin ``kernel`` (``restart``: by restarting the workers), then log
+    one warning line when the workers' BLAS differ. Returns the survey."""
+    blas = survey(client)
+    if kernel and restart and any(b.kernel.lower() != kernel.lower() for b in blas.values()):
+        pin(client, kernel, timeout)
+        blas = survey(client)
+    if kernel and _kinds(blas):
+        raise ClusterError(f"--blas-kernel {kernel} did not give one kernel: {_kinds(blas)}")
+    line = mismatch(blas)
+    if line:
+        log(line)
+    return blas
