@@ -46,6 +46,7 @@ print(time.perf_counter() - start)
 RECEIVE = """
 import socket
 srv = socket.create_server(("0.0.0.0", 5001))
+print("listening", flush=True)
 conn, _ = srv.accept()
 while conn.recv(1 << 20):
     pass
@@ -57,9 +58,9 @@ def test_links_are_capped_and_nothing_is_left_behind():
     n_bytes = 5_000_000
     with emulated.emulated_cluster(2, "20mbit", workers_per_host=0) as c:
         receiver = subprocess.Popen(c.in_namespace(c.hosts[1], [sys.executable, "-c", RECEIVE]),
-                                    env=c.env())
+                                    env=c.env(), stdout=subprocess.PIPE, text=True)
         try:
-            time.sleep(0.5)  # let it listen
+            assert receiver.stdout.readline().strip() == "listening"  # its socket is bound
             sent = subprocess.run(c.in_namespace(c.hosts[0], [
                 sys.executable, "-c", SEND, c.host_addresses[1], str(n_bytes)]),
                 env=c.env(), capture_output=True, text=True, timeout=60)
