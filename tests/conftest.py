@@ -54,3 +54,30 @@ def dask_client():
                                   dashboard_address="127.0.0.1:0") as cluster, \
             distributed.Client(cluster, set_as_default=False) as client:
         yield client
+
+
+# Processes a test may leave running on purpose: multiprocessing's helpers live for the session.
+_SESSION_HELPERS = ("resource_tracker", "forkserver", "semaphore_tracker")
+_LEFT_WAIT_S = 15.0  # a nanny that lost its scheduler takes ~8 s to give up on its own
+
+
+@pytest.fixture(autouse=True)
+def _no_process_left_behind():
+    """Fail the test that leaves a child process running (killed first, so the next test starts
+    clean); processes started by wider fixtures (a module's cluster) are theirs to stop."""
+    import psutil
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    yield
+    new = [p for p in me.children(recursive=True) if p.pid not in before]
+    _, alive = psutil.wait_procs(new, timeout=_LEFT_WAIT_S if new else 0)
+    left = []
+    for proc in alive:
+        try:
+            cmd = " ".join(proc.cmdline())[:200]
+        except psutil.Error:
+            continue
+        if not any(h in cmd for h in _SESSION_HELPERS):
+            left.append(f"{proc.pid}: {cmd}")
+            proc.kill()
+    assert not left, f"processes left running after the test: {left}"
