@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(PY) -m pipeline demo --out runs/demo
 
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=25
 
 bench: $(STAMP)
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
