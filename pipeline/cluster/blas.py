@@ -10,14 +10,12 @@ cluster's nannies restart their workers with it.
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import NamedTuple
 
 from pipeline.core.errors import ClusterError
 
 ENV = "OPENBLAS_CORETYPE"
-_KERNEL = re.compile(r"^[A-Za-z][A-Za-z0-9_]{1,31}$")
 
 
 class Blas(NamedTuple):
@@ -67,23 +65,6 @@ def _kinds(blas: dict[str, Blas]) -> str | None:
         return None
     return "; ".join(f"{b.kernel}, {b.library}, numpy {b.numpy} on {', '.join(w)}"
                      for b, w in groups.items())
-
-
-def check_kernel(kernel: str | None) -> str | None:
-    """``kernel`` if it can be an ``OPENBLAS_CORETYPE`` value (a name), else ClusterError.
-
-    >>> check_kernel("Haswell"), check_kernel(None)
-    ('Haswell', None)
-    >>> check_kernel("Haswell; rm")
-    Traceback (most recent call last):
-    ...
-    pipeline.core.errors.ClusterError: cluster.blas_kernel (--blas-kernel): 'Haswell; rm' is not \
-an OpenBLAS kernel name (Haswell, SkylakeX, Sandybridge, Zen, ...)
-    """
-    if kernel is None or _KERNEL.match(kernel):
-        return kernel
-    raise ClusterError(f"cluster.blas_kernel (--blas-kernel): {kernel!r} is not an OpenBLAS "
-                       "kernel name (Haswell, SkylakeX, Sandybridge, Zen, ...)")
 
 
 def spawn_environ(kernel: str | None) -> dict:

@@ -153,8 +153,10 @@ def _start_embedded(cfg: ClusterConfig, gpus: list[str], roles: Roles) -> distri
     """The embedded cluster; its worker processes ignore SIGINT and SIGTERM (they inherit that from
     here), so a Ctrl-C to the terminal's process group reaches only the driver, which stops the
     run at a round boundary and then closes the workers itself."""
+    from pipeline.cluster.blas import spawn_environ
     from pipeline.core.interrupt import signals_ignored
-    with signals_ignored(), warnings.catch_warnings():
+    with signals_ignored(), warnings.catch_warnings(), \
+            dask.config.set(spawn_environ(cfg.blas_kernel)):  # nannies read it as they start
         # "Port 8787 is already in use ... Hosting the HTTP server on port N instead": the
         # summary line gives the link that was bound.
         warnings.filterwarnings("ignore", message=".*already in use", category=UserWarning)

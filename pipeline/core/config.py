@@ -27,6 +27,7 @@ LABEL_KINDS = ("fine", "coarse")
 MAX_EPOCHS = 100_000.0
 MAX_REPLICAS = 4096  # also what a checkpoint may hold (pipeline.outputs.checkpoint.MAX_REPLICAS)
 DAY_S = 86_400.0  # longest timeout: a day
+_KERNEL = re.compile(r"^[A-Za-z][A-Za-z0-9_]{1,31}$")  # an OPENBLAS_CORETYPE value
 
 
 @dataclass(frozen=True)
@@ -347,6 +348,14 @@ class ClusterConfig:
                               "and augment; the CPU workers then only train "
                               "(--cpu-resource)", flag="--loader-workers", metavar="N",
                               unit="workers")
+    # OpenBLAS kernels add in different orders: other bits on another kind of CPU
+    # (docs/reliability.md); pipeline.cluster.blas.
+    blas_kernel: str | None = opt(None, "OpenBLAS kernel every worker runs (OPENBLAS_CORETYPE: "
+                                  "Haswell, SkylakeX, Sandybridge, Zen, ...), so a cluster of "
+                                  "mixed CPUs gives one answer: the local cluster's workers "
+                                  "start with it, an external cluster's nannies restart theirs",
+                                  flag="--blas-kernel", metavar="KERNEL",
+                                  none="each worker's own; a warning when they differ")
     # The stalled-task watchdog: pipeline.cluster.watchdog.
     stall_report: float = opt(5.0, "report a task running X times its finished peers' median "
                               "(and at least --stall-min-seconds)", flag="--stall-report",
@@ -381,6 +390,9 @@ class ClusterConfig:
                "cluster.stall_retire", "must be 0 (never) or in [cluster.stall_report, 1e6]",
                self.stall_retire)
         in_range(self.stall_min_s, 0, DAY_S, "cluster.stall_min_s")
+        check(self.blas_kernel is None or bool(_KERNEL.match(self.blas_kernel)),
+              "cluster.blas_kernel", "must be an OpenBLAS kernel name (Haswell, SkylakeX, ...)",
+              self.blas_kernel)
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,9 @@ def train(config: Config, client=None, *, resume: bool = False, overwrite: bool 
         if client is None:
             roles = Roles(config.augment.resource, config.train.cpu_resource)
             client = stack.enter_context(connect(config.cluster, log=log, gpus=gpus, roles=roles))
+        from pipeline.cluster import blas
+        blas.check(client, config.cluster.blas_kernel, log, restart=True,
+                   timeout=max(60.0, config.cluster.connect_timeout))  # workers re-import
         if prep is None:
             prep = prepare.plan(config, out, prepare.load_dataset(config, client), found)
             if prep.complete:

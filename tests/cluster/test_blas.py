@@ -36,3 +36,45 @@ def test_a_worker_without_a_nanny_cannot_be_pinned():
         with pytest.raises(ClusterError, match="run without a nanny") as err:
             blas.check(client, "Haswell", lambda line: None, restart=True)
     assert "\n" not in str(err.value) and f"{blas.ENV}=Haswell" in str(err.value)
+
+
+def test_the_local_cluster_starts_its_workers_with_the_kernel():
+    from pipeline.cluster.connection import connect
+    from pipeline.core.config import ClusterConfig
+    cfg = ClusterConfig(workers=2, blas_kernel="Sandybridge", dashboard_address="127.0.0.1:0")
+    with connect(cfg, log=lambda line: None) as client:
+        log = []
+        got = blas.check(client, cfg.blas_kernel, log.append, restart=True)
+    assert {b.kernel for b in got.values()} == {"Sandybridge"} and len(got) == 2 and log == []
+
+
+@pytest.mark.parametrize("kernel", ["", "Haswell; rm -rf /", "x" * 40, "9lives"])
+def test_a_kernel_that_is_not_a_name_is_refused_by_the_config(kernel):
+    from pipeline.core.config import ClusterConfig
+    with pytest.raises(ValueError, match="cluster.blas_kernel must be an OpenBLAS kernel name"):
+        ClusterConfig(blas_kernel=kernel).validate()
+
+
+def _tiny(address: str, **changes):
+    from tests.helpers import make_config
+    base = {"data.source": "synthetic:128:32", "model.name": "small-cnn", "train.batch_size": 16,
+            "train.epochs": 1, "train.strategy": "ipm", "train.replicas": 2,
+            "average.mix_every": "2", "augment.policy": "cifar", "progress": False,
+            "checkpoint_every": 0, "eval_every": 0, "cluster.scheduler": address}
+    return make_config(base, **changes)
+
+
+def test_a_mixed_cluster_warns_once_and_the_pin_gives_the_one_kernel_answer():
+    from pipeline import train
+    from tests.helpers import assert_same_bits
+    with subprocess_cluster(2, worker_env=MIXED) as mixed:
+        log = []
+        train(_tiny(mixed.address), log=log.append)
+        warned = [line for line in log if line.startswith("warning: the workers run different")]
+        assert len(warned) == 1, log
+        log.clear()
+        pinned = train(_tiny(mixed.address, **{"cluster.blas_kernel": "Sandybridge"}),
+                       log=log.append).params
+        assert not [line for line in log if line.startswith("warning:")], log
+    with subprocess_cluster(2, env={blas.ENV: "Sandybridge"}) as one_kind:
+        assert_same_bits(pinned, train(_tiny(one_kind.address), log=lambda line: None).params)
