@@ -10,6 +10,8 @@ cluster's nannies restart their workers with it.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -65,6 +67,24 @@ def _kinds(blas: dict[str, Blas]) -> str | None:
         return None
     return "; ".join(f"{b.kernel}, {b.library}, numpy {b.numpy} on {', '.join(w)}"
                      for b, w in groups.items())
+
+
+@contextlib.contextmanager
+def environ_kept():
+    """Put ``OPENBLAS_CORETYPE`` of this process back as it was on exit.
+
+    A nanny sets its ``pre-spawn-environ`` in its own process before it spawns a worker (the
+    variable must be there before the worker imports NumPy): the embedded cluster's nannies live
+    in the driver, so a pinned kernel would stay in the driver's environment and reach every
+    process it starts later (another cluster, a test's subprocess)."""
+    before = os.environ.get(ENV)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = before
 
 
 def spawn_environ(kernel: str | None) -> dict:

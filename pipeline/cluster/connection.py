@@ -137,16 +137,18 @@ def connect(cfg: ClusterConfig, log: Callable[[str], None] | None = None, *,
 @contextlib.contextmanager
 def _embedded_cluster(cfg: ClusterConfig, gpus: list[str],
                       roles: Roles) -> Iterator[distributed.Client]:
-    try:
-        cluster = _start_embedded(cfg, gpus, roles)
-    except RuntimeError as exc:  # "Nanny failed to start": the worker processes died starting
-        raise ClusterError(f"could not start the local cluster's worker processes: "
-                           f"{one_line(exc, kind=False)} (a script that starts one needs "
-                           f"`if __name__ == '__main__':` around it)") from exc
-    _EMBEDDED.add(cluster)
-    # Client before cluster on the way out: the reverse order logs CommClosedError tracebacks.
-    with cluster, distributed.Client(cluster) as client:
-        yield client
+    from pipeline.cluster.blas import environ_kept
+    with environ_kept():  # the nannies (in this process) set the kernel of --blas-kernel here
+        try:
+            cluster = _start_embedded(cfg, gpus, roles)
+        except RuntimeError as exc:  # "Nanny failed to start": the worker processes died
+            raise ClusterError(f"could not start the local cluster's worker processes: "
+                               f"{one_line(exc, kind=False)} (a script that starts one needs "
+                               f"`if __name__ == '__main__':` around it)") from exc
+        _EMBEDDED.add(cluster)
+        # Client before cluster on the way out: the reverse order logs CommClosedError tracebacks.
+        with cluster, distributed.Client(cluster) as client:
+            yield client
 
 
 def _start_embedded(cfg: ClusterConfig, gpus: list[str], roles: Roles) -> distributed.SpecCluster:

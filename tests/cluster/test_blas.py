@@ -1,5 +1,6 @@
 """BLAS kernels across workers (pipeline.cluster.blas): one warning line where they differ, and
 a pin that makes an external cluster's workers run one kernel."""
+import os
 import platform
 
 import distributed
@@ -22,7 +23,8 @@ def test_mixed_kernels_warn_in_one_line_then_the_pin_runs_one():
         before = blas.check(client, None, log.append, restart=False)
         assert sorted(b.kernel for b in before.values()) == ["Haswell", "Sandybridge"]
         assert len(log) == 1 and "\n" not in log[0]
-        assert log[0].startswith("warning: the workers run different BLAS (Haswell, ")
+        assert log[0].startswith("warning: the workers run different BLAS (")
+        assert "Haswell, openblas" in log[0] and "Sandybridge, openblas" in log[0]
         assert "--blas-kernel KERNEL" in log[0]
         log.clear()
         after = blas.check(client, "Sandybridge", log.append, restart=True)
@@ -42,10 +44,16 @@ def test_the_local_cluster_starts_its_workers_with_the_kernel():
     from pipeline.cluster.connection import connect
     from pipeline.core.config import ClusterConfig
     cfg = ClusterConfig(workers=2, blas_kernel="Sandybridge", dashboard_address="127.0.0.1:0")
+    before = os.environ.get(blas.ENV)
     with connect(cfg, log=lambda line: None) as client:
         log = []
         got = blas.check(client, cfg.blas_kernel, log.append, restart=True)
+        client.restart()  # a nanny sets the variable again as it respawns its worker
+        assert {b.kernel for b in blas.survey(client).values()} == {"Sandybridge"}
     assert {b.kernel for b in got.values()} == {"Sandybridge"} and len(got) == 2 and log == []
+    # The nannies ran in this process: what they set for their workers is not left behind here,
+    # where every process started later (another cluster, a subprocess) would inherit it.
+    assert os.environ.get(blas.ENV) == before
 
 
 @pytest.mark.parametrize("kernel", ["", "Haswell; rm -rf /", "x" * 40, "9lives"])

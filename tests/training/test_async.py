@@ -9,18 +9,19 @@ from pipeline.core.errors import UsageError
 from pipeline.training.strategies.asynchronous import InFlight, allowed, apply, fixed_order, read_order
 from pipeline.training.loop import train
 from tests.resuming import whole_and_resumed
-from tests.helpers import assert_same_bits
+from tests.helpers import assert_same_bits, make_config
 
 SMALL = "synthetic:512:128"
 
 
+BASE = {"data.source": SMALL, "model.name": "small-cnn", "train.batch_size": 16,
+        "train.epochs": 1, "train.lr": 0.02, "augment.policy": "cifar", "progress": False,
+        "checkpoint_every": 0, "seed": 4, "train.strategy": "async", "train.replicas": 3,
+        "average.mix_every": "2"}
+
+
 def _config(**changes) -> Config:
-    base = {"data.source": SMALL, "model.name": "small-cnn", "train.batch_size": 16,
-            "train.epochs": 1, "train.lr": 0.02, "augment.policy": "cifar", "progress": False,
-            "checkpoint_every": 0, "seed": 4, "train.strategy": "async", "train.replicas": 3,
-            "average.mix_every": "2"}
-    base.update(changes)
-    return Config().replace(**base)
+    return make_config(BASE, **changes)
 
 
 def _updates(out) -> list[dict]:

@@ -14,6 +14,7 @@ from pipeline.training import extensions as ext
 from pipeline.training.attempt import Attempt, Pending
 from pipeline.training.loop import train
 from pipeline.training.triggers import Schedule
+from tests.helpers import make_config
 
 
 def _round(index: int) -> Round:
@@ -202,12 +203,14 @@ class _Watch(ext.Extension):
         self.events.append(("finalize",))
 
 
+BASE = {"data.source": "synthetic:128:32", "model.name": "small-cnn",
+        "train.batch_size": 16, "train.epochs": 1, "augment.policy": "none",
+        "progress": False, "checkpoint_every": 0, "seed": 3, "train.replicas": 2,
+        "average.mix_every": "2", "eval_every": 0}
+
+
 def _config(**changes) -> Config:
-    base = {"data.source": "synthetic:128:32", "model.name": "small-cnn",
-            "train.batch_size": 16, "train.epochs": 1, "augment.policy": "none",
-            "progress": False, "checkpoint_every": 0, "seed": 3, "train.replicas": 2,
-            "average.mix_every": "2", "eval_every": 0}
-    return Config().replace(**{**base, **changes})
+    return make_config(BASE, **changes)
 
 
 def test_a_user_extension_lives_through_a_run_beside_on_round(dask_client):

@@ -15,6 +15,7 @@ from pipeline.core.config import Config
 from pipeline.training.loop import train
 from tests.images import png_header_only, write_folder, write_list, write_split_folder
 from tests.cli.test_bad_input import _train, scheduler  # noqa: F401 (fixture)
+from tests.helpers import make_config
 
 
 @pytest.fixture(scope="module")
@@ -122,12 +123,14 @@ def test_val_list_label_out_of_range(good, tmp_path, capsys, scheduler):  # noqa
     assert "val.txt:2: label 2 is out of range (labels are 0..1)" in line, line
 
 
+BASE = {"data.image_size": 32, "model.name": "small-cnn",
+        "train.strategy": "ipm", "train.replicas": 2, "train.batch_size": 4,
+        "train.epochs": 1.0, "average.mix_every": "1", "augment.policy": "resized-crop",
+        "augment.chunk": 8, "data.decode_chunk": 5, "progress": False}
+
+
 def _config(source: str, **fields) -> Config:
-    base = {"data.source": source, "data.image_size": 32, "model.name": "small-cnn",
-            "train.strategy": "ipm", "train.replicas": 2, "train.batch_size": 4,
-            "train.epochs": 1.0, "average.mix_every": "1", "augment.policy": "resized-crop",
-            "augment.chunk": 8, "data.decode_chunk": 5, "progress": False}
-    return Config().replace(**{**base, **fields})
+    return make_config(BASE, **{"data.source": source, **fields})
 
 
 def test_decoding_each_round_gives_the_cached_run_byte_for_byte(tmp_path, dask_client):

@@ -11,15 +11,18 @@ from pipeline.core import keys
 from pipeline.core.config import Config
 from pipeline.training.loop import train
 from tests.images import write_folder
+from tests.helpers import make_config
+
+
+BASE = {"data.image_size": 32, "data.cache": "off",
+        "data.decode_chunk": 5, "model.name": "small-cnn", "train.strategy": "ipm",
+        "train.replicas": 2, "train.batch_size": 4, "train.epochs": 1.0,
+        "average.mix_every": "2", "augment.policy": "resized-crop", "augment.chunk": 8,
+        "progress": False}
 
 
 def _config(source: str, **fields) -> Config:
-    base = {"data.source": source, "data.image_size": 32, "data.cache": "off",
-            "data.decode_chunk": 5, "model.name": "small-cnn", "train.strategy": "ipm",
-            "train.replicas": 2, "train.batch_size": 4, "train.epochs": 1.0,
-            "average.mix_every": "2", "augment.policy": "resized-crop", "augment.chunk": 8,
-            "progress": False}
-    return Config().replace(**{**base, **fields})
+    return make_config(BASE, **{"data.source": source, **fields})
 
 
 class _Spy:

@@ -11,19 +11,19 @@ from pipeline.backends.chainer.models import build_model
 from pipeline.backends.chainer.state import get_state
 from pipeline.training.loop import train
 from tests.resuming import whole_and_resumed
-from tests.helpers import assert_close, assert_same_bits
+from tests.helpers import assert_close, assert_same_bits, make_config
 
 SMALL = "synthetic:512:128"
 
 
+BASE = {"data.source": SMALL, "model.name": "small-cnn", "train.batch_size": 16,
+        "train.epochs": 1, "train.lr": 0.01, "augment.policy": "cifar", "progress": False,
+        "checkpoint_every": 0, "seed": 3}
+
+
 def _config(tmp_path=None, **changes) -> Config:
-    base = {"data.source": SMALL, "model.name": "small-cnn", "train.batch_size": 16,
-            "train.epochs": 1, "train.lr": 0.01, "augment.policy": "cifar", "progress": False,
-            "checkpoint_every": 0, "seed": 3}
-    if tmp_path is not None:
-        base["out"] = str(tmp_path)
-    base.update(changes)
-    return Config().replace(**base)
+    out = {"out": str(tmp_path)} if tmp_path is not None else {}
+    return make_config(BASE, **{**out, **changes})
 
 
 def test_gradient_equals_single_with_k_times_b(dask_client):
