@@ -514,6 +514,9 @@ def test_async_lost_worker(tmp_path, dask_client, order):
         try:
             result = train(_on_cluster(cluster, tmp_path, **changes), log=lines.append,
                            on_round=killer)
+        except Exception as exc:  # the run's own lines say which replays failed, and why
+            raise AssertionError(f"{exc}\nkilled: {killer.killed}\nlog:\n"
+                                 + "\n".join(lines)) from exc
         finally:
             killer.close()
     assert [k[0] for k in killer.killed] == [0], killer.killed
