@@ -68,6 +68,14 @@ def persist_dataset(client: distributed.Client, dataset, eval_chunk: int = 250,
     return Persisted(blocks(arrays[0]), blocks(arrays[1]), starts, *test, n_train, None, note)
 
 
+def data_lost(data: Persisted) -> bool:
+    """Whether some persisted block of the dataset is gone for good: its future cancelled (the
+    scheduler forgot the key, as it does with every key of a client whose connection it closed),
+    not merely lost with a worker (that one the scheduler recomputes from its ``load-`` task)."""
+    blocks = [*data.train_images, *data.train_labels, *data.test_images, *data.test_labels]
+    return any(f.cancelled() for f in blocks)
+
+
 def _block_keys(array) -> list:
     keys = array.__dask_keys__()
     while isinstance(keys, list) and keys and isinstance(keys[0], list):
@@ -85,8 +93,10 @@ class RoundGraph:
 
     def __init__(self, client: distributed.Client, data: Persisted, config, *, n_classes: int,
                  device: str, train_resources: dict | None, augment_resources: dict | None,
-                 token: str | None = None, payload_bytes: int = 0, watchdog=None):
+                 token: str | None = None, payload_bytes: int = 0, watchdog=None,
+                 reload=None):
         self.client, self.data, self.config = client, data, config
+        self.reload = reload  # () -> Persisted: the dataset persisted again (``ensure_data``)
         self.watchdog = watchdog  # pipeline.cluster.watchdog.Watchdog: looks at the tasks while we wait
         self.n_classes, self.device = n_classes, device
         self.train_resources, self.augment_resources = train_resources, augment_resources
@@ -105,7 +115,8 @@ class RoundGraph:
         fresh = RoundGraph(self.client, self.data, self.config, n_classes=self.n_classes,
                            device=self.device, train_resources=self.train_resources,
                            augment_resources=self.augment_resources,
-                           payload_bytes=self.payload_bytes, watchdog=self.watchdog)
+                           payload_bytes=self.payload_bytes, watchdog=self.watchdog,
+                           reload=self.reload)
         fresh.averaged_bytes = self.averaged_bytes
         return fresh
 
@@ -147,6 +158,13 @@ class RoundGraph:
         algorithm, ctx = self._average(round_index, what)
         with distributed.span("average"):
             return algorithm.broadcast(ctx, value)
+
+    def ensure_data(self, log) -> None:
+        """Before a replay: persist the dataset again where the cluster forgot a block of it
+        (``data_lost``); attempts made after this (``for_attempt``) read the new blocks."""
+        if self.reload is not None and data_lost(self.data):
+            log("the cluster forgot the dataset's blocks: loading them again")
+            self.data = self.reload()
 
     def _home(self, replica: int) -> str | None:
         """The worker replica k lives on: where the averaging plan placed it, or with

@@ -267,6 +267,7 @@ class _Loop:
                 recovery.await_workers(self.client, self.setup.graph,
                                        self.config.cluster.connect_timeout, self.log,
                                        replay_from=anchor.round + 1, hint=self._hint(anchor))
+                self.setup.graph.ensure_data(self.log)
 
     def _decide(self, exc: Exception, anchor: HostState, retries: int):
         return recovery.decide(
@@ -283,7 +284,7 @@ class _Loop:
     def _forget(self, attempt: Attempt, exc: BaseException | None = None) -> None:
         held = recovery.plain(attempt.held())
         attempt.clear()
-        recovery.forget(self.client, held, exc, self._alive)
+        recovery.forget(held, exc)
 
     def _hint(self, anchor: HostState) -> str:
         return recovery.resume_hint(self.out.path, anchor.round, self.out.has_checkpoint())

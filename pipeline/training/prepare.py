@@ -148,7 +148,9 @@ def on_cluster(client, config: Config, prep: Prepared, log) -> Setup:
     round_graph = graph.RoundGraph(client, data, config, n_classes=dataset.n_classes,
                                    device=device, train_resources=train_res,
                                    augment_resources=augment_res,
-                                   payload_bytes=averaging.nbytes(initial), watchdog=watchdog)
+                                   payload_bytes=averaging.nbytes(initial), watchdog=watchdog,
+                                   reload=lambda: graph.persist_dataset(client, dataset,
+                                                                        resources=augment_res))
     ctx = Context(config, config.train.replicas, data.n_train, prep.per_epoch,
                   dataset.n_classes, device, tuple(prep.rounds))
     setup = Setup(round_graph, watchdog, ctx, strategies.get(config.train.strategy), initial,

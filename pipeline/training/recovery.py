@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from pipeline.core.errors import ClusterError, one_line
 
@@ -135,13 +135,17 @@ def scheduler_alive(client, timeout: float) -> bool:
     """The client is connected and the scheduler answers a ping within ``timeout`` s.
 
     A busy scheduler on a loaded machine (retiring a stopped worker, say) may miss one
-    5-second ping, so pings are repeated until the time is up; a closed client is gone at once.
+    5-second ping, so pings are repeated until the time is up; a client reconnecting (its
+    connection dropped, the scheduler alive) is waited for; a closed client is gone at once.
     """
     deadline = time.monotonic() + timeout
-    while client.status == "running":
+    while client.status in ("running", "connecting"):
         left = deadline - time.monotonic()
         if left <= 0:
             return False
+        if client.status == "connecting":
+            time.sleep(min(0.1, left))
+            continue
         try:
             client.sync(client.scheduler.identity, callback_timeout=min(5.0, left))
             return client.status == "running"
@@ -167,10 +171,17 @@ def plain(value):
     return value
 
 
-def forget(client, held: list, exc: BaseException | None, alive: Callable[[], bool]) -> None:
-    """Cancel every future in ``held`` (a failed attempt's: the next one keys its tasks afresh),
-    if the scheduler is ``alive()``. The traceback's frames of ``exc`` are cleared first: their
-    locals hold futures of the attempt too.
+def forget(held: list, exc: BaseException | None) -> None:
+    """Release every future in ``held`` (a failed attempt's: the next one keys its tasks afresh);
+    the scheduler drops what nobody else wants and stops the tasks still running. The
+    traceback's frames of ``exc`` are cleared first: their locals hold futures of the attempt too.
+
+    Released, not ``client.cancel``-ed: distributed's ``stimulus_cancel`` recurses into the
+    dependents of a cancelled key and asserts that each is wanted by some client; an
+    intermediate task held only through its own dependents (an ``apply-`` between two rounds)
+    fails that assertion, the scheduler drops the client's connection, and with it forgets
+    every key the client held, the persisted dataset too: every replay then died of "lost
+    dependencies" (CI, test_async_lost_worker[arrival], about one run in five under load).
     """
     import traceback
 
@@ -178,9 +189,9 @@ def forget(client, held: list, exc: BaseException | None, alive: Callable[[], bo
     stale = futures_of(plain(held))
     if exc is not None and exc.__traceback__ is not None:
         traceback.clear_frames(exc.__traceback__)
-    if stale and alive():
-        with contextlib.suppress(Exception):  # best effort: they are released anyway
-            client.cancel(stale, reason="replaying from the last anchor")
+    for future in stale:
+        with contextlib.suppress(Exception):  # a closed client: released with it anyway
+            future.release()
     del stale
 
 

@@ -157,6 +157,26 @@ def _replays(log: list[str]) -> list[tuple[int, int]]:
 
 
 @pytest.mark.cluster
+def test_a_dropped_client_connection_reloads_the_data_and_replays(tmp_path, reference):
+    """The scheduler closes the driver's connection mid-run (its cancel bug did, see
+    ``recovery.forget``) and forgets every key the client held, the persisted dataset too: the
+    client reconnects, the run loads the data again, replays from its last checkpoint and ends
+    with the uninterrupted run's weights."""
+    import distributed
+    lines = []
+    with subprocess_cluster(2, resources={"CPU": 1}) as cluster, \
+            distributed.Client(cluster.address, set_as_default=False) as client:
+        def drop(line):
+            if line["round"] == 5:
+                client.loop.add_callback(client.scheduler_comm.comm.abort)
+        result = train(_on_cluster(cluster, tmp_path), client=client, log=lines.append,
+                       on_round=drop)
+    assert any("forgot the dataset's blocks: loading them again" in x for x in lines), lines
+    assert [x["round"] for x in result.history] == list(range(ROUNDS))
+    assert_same_bits(result.params, reference, lines)
+
+
+@pytest.mark.cluster
 def test_two_workers_lost_one_after_the_other(tmp_path, reference):
     result, killed, log, alive = _train_with_kills(tmp_path, {2: 0, 9: 1})
     assert alive == [False, False, True], killed
@@ -514,9 +534,11 @@ def test_async_lost_worker(tmp_path, dask_client, order):
         try:
             result = train(_on_cluster(cluster, tmp_path, **changes), log=lines.append,
                            on_round=killer)
-        except Exception as exc:  # the run's own lines say which replays failed, and why
-            raise AssertionError(f"{exc}\nkilled: {killer.killed}\nlog:\n"
-                                 + "\n".join(lines)) from exc
+        except Exception as exc:  # the run's own lines and the scheduler's errors say why
+            errors = [x for x in cluster.logs(tail=200_000).splitlines()
+                      if " ERROR " in x or "missing dependency" in x]
+            raise AssertionError(f"{exc}\nkilled: {killer.killed}\nlog:\n" + "\n".join(lines)
+                                 + "\nscheduler:\n" + "\n".join(errors[:20])) from exc
         finally:
             killer.close()
     assert [k[0] for k in killer.killed] == [0], killer.killed
