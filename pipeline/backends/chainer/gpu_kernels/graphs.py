@@ -10,7 +10,8 @@ A graph is built once per key (what it computes, shapes, strides, stride/pad, dt
 thread, on that thread's cuDNN handle, and runs on CuPy's current stream with a workspace taken
 from CuPy's memory pool. A key cuDNN cannot build is remembered as unsupported (one log line) and
 its callers use Chainer's functions for it. Strict FP32 by default: engines whose numerical note is
-TENSOR_CORE (TF32 on an H100) are deselected unless ``CUPY_TF32=1``, as CuPy does for cuBLAS.
+TENSOR_CORE (TF32 on an H100) are deselected unless ``CUPY_TF32=1``, as CuPy does for cuBLAS, and
+NONDETERMINISTIC ones always (a run gives the same bits twice).
 """
 from __future__ import annotations
 
@@ -197,8 +198,12 @@ def _dtype(cudnn, name: str):
 def _finish(cudnn, graph, key: Key) -> int:
     graph.validate()
     graph.build_operation_graph()
+    # Same bits run to run (the project's byte-identical promise): no engines that add with
+    # atomics. Strict FP32 unless CUPY_TF32=1.
+    notes = [cudnn.numerical_note.NONDETERMINISTIC]
     if not key.tf32:
-        graph.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE])
+        notes.append(cudnn.numerical_note.TENSOR_CORE)
+    graph.deselect_numeric_notes(notes)
     graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     graph.check_support()
     graph.build_plans(cudnn.build_plan_policy.HEURISTICS_CHOICE)
