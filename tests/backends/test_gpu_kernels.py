@@ -1,0 +1,195 @@
+"""The CPU-side parts of the cuDNN kernels and the fused update: choice per array, graph keys, the fallback without the frontend.
+
+The GPU parts (results against Chainer's functions and update rules) are in test_gpu_cudnn.py.
+"""
+from __future__ import annotations
+
+import logging
+import pickle
+import sys
+
+import numpy as np
+import pytest
+
+from pipeline.backends.chainer import gpu_kernels
+from pipeline.backends.chainer.compat import chainer
+from pipeline.backends.chainer.gpu_kernels import functions, fused_update, graphs
+from pipeline.backends.chainer.state import make_optimizer, setup_optimizer
+
+
+class FakeCupyArray:
+    """Looks like a CuPy ndarray to ``is_cupy`` (type name and module), nothing more."""
+
+    def __init__(self, dtype=np.float32, shape=(2, 3, 8, 8)):
+        self.dtype, self.shape, self.ndim = np.dtype(dtype), shape, len(shape)
+
+
+FakeCupyArray.__name__ = "ndarray"
+FakeCupyArray.__module__ = "cupy._core.core"
+
+
+@pytest.fixture
+def no_frontend(monkeypatch):
+    """A process where ``import cudnn`` fails (CuPy reports CUDA 13)."""
+    monkeypatch.setitem(sys.modules, "cudnn", None)
+    monkeypatch.setattr(graphs, "_cuda_major", lambda: 13)
+    graphs._reset_for_tests()
+    yield
+    graphs._reset_for_tests()
+
+
+def test_kernels_are_chosen_on_float32_cupy_arrays_only(monkeypatch):
+    monkeypatch.delenv("PIPELINE_GPU_KERNELS", raising=False)
+    assert gpu_kernels.wanted(FakeCupyArray())
+    assert not gpu_kernels.wanted(FakeCupyArray(np.float16))
+    assert not gpu_kernels.wanted(np.zeros((2, 3, 8, 8), np.float32))
+    assert not gpu_kernels.wanted(chainer.Variable(np.zeros((2, 3), np.float32)))
+    with chainer.using_config("gpu_kernels", "chainer"):
+        assert not gpu_kernels.wanted(FakeCupyArray())
+    monkeypatch.setenv("PIPELINE_GPU_KERNELS", "chainer")
+    assert not gpu_kernels.wanted(FakeCupyArray())
+    with chainer.using_config("gpu_kernels", "cudnn"):  # the task's config beats the default
+        assert gpu_kernels.wanted(FakeCupyArray())
+    monkeypatch.setenv("PIPELINE_GPU_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="PIPELINE_GPU_KERNELS"):
+        gpu_kernels.default_choice()
+
+
+def test_graph_keys_tell_apart_what_changes_the_graph():
+    base = dict(x_shape=(8, 16, 32, 32), w_shape=(32, 16, 3, 3), stride=(1, 1), pad=(1, 1),
+                dtype="float32", tf32=False)
+    key = graphs.conv_key("fprop", **base)
+    assert key == graphs.conv_key("fprop", **{**base, "x_shape": [8, 16, 32, 32]})
+    assert hash(key) == hash(graphs.conv_key("fprop", **base))
+    for change in (dict(x_shape=(9, 16, 32, 32)), dict(w_shape=(32, 16, 1, 1)),
+                   dict(stride=(2, 2)), dict(pad=(0, 0)), dict(dtype="float16"), dict(tf32=True)):
+        assert graphs.conv_key("fprop", **{**base, **change}) != key, change
+    kinds = {graphs.conv_key(k, **base) for k in ("fprop", "dgrad", "wgrad")}
+    assert len(kinds) == 3
+    assert [k.op for k in functions.conv_keys((8, 16, 32, 32), (32, 16, 3, 3), 1, 1, "float32",
+                                              False, backward=False)] == ["conv_fprop"]
+    bn = graphs.bn_key("train", (8, 16, 32, 32), "float32")
+    assert bn != graphs.bn_key("backward", (8, 16, 32, 32), "float32")
+    assert bn != graphs.bn_key("train", (8, 16, 32, 32), "float32", "nhwc")
+    assert pickle.loads(pickle.dumps(key)) == key
+    with pytest.raises(ValueError, match="fprop, dgrad or wgrad"):
+        graphs.conv_key("forward", **base)
+    with pytest.raises(ValueError, match="layout"):
+        graphs.bn_key("train", (8, 16, 32, 32), "float32", "nchwc")
+
+
+@pytest.mark.parametrize("size,k,stride,pad", [(32, 3, 1, 1), (32, 3, 2, 1), (16, 1, 2, 0),
+                                               (9, 5, 1, 2), (11, 3, 2, 0)])
+def test_output_size_is_chainers(size, k, stride, pad):
+    from chainer.utils import conv
+    assert graphs.out_hw(size, k, stride, pad) == conv.get_conv_outsize(size, k, stride, pad)
+
+
+def test_strides_describe_the_arrays():
+    x = np.zeros((2, 3, 4, 5), np.float32)
+    assert graphs.nchw_strides(x.shape) == [s // 4 for s in x.strides]
+    nhwc = np.zeros((2, 4, 5, 3), np.float32).transpose(0, 3, 1, 2)
+    assert graphs.nhwc_strides(nhwc.shape) == [s // 4 for s in nhwc.strides]
+
+
+def test_tf32_follows_cupys_switch(monkeypatch):
+    monkeypatch.delenv("CUPY_TF32", raising=False)
+    assert not graphs.tf32_allowed()
+    monkeypatch.setenv("CUPY_TF32", "1")
+    assert graphs.tf32_allowed()
+
+
+def test_without_the_frontend_one_log_line_and_chainers_functions(no_frontend, caplog):
+    with caplog.at_level(logging.WARNING, logger="pipeline.gpu_kernels"):
+        assert graphs.load() is None
+        assert graphs.load() is None  # tried once per process
+        assert not gpu_kernels.use_cudnn(FakeCupyArray())
+        assert graphs.get(graphs.conv_key("fprop", (1, 3, 8, 8), (4, 3, 3, 3), (1, 1), (1, 1),
+                                          "float32", False)) is None
+    lines = [r for r in caplog.records if r.name == "pipeline.gpu_kernels"]
+    assert len(lines) == 1 and "Chainer's functions" in lines[0].getMessage()
+    assert graphs.unavailable_reason().startswith("ModuleNotFoundError")
+
+
+def test_an_unbuildable_key_is_remembered_and_logged_once(monkeypatch, caplog):
+    """A key cuDNN refuses falls back for good: one line, no second build attempt."""
+    attempts = []
+
+    def refuse(cudnn, key):
+        attempts.append(key)
+        raise RuntimeError("cudnnGraphNotSupportedError: no engine")
+
+    graphs._reset_for_tests(module=object(), tried=True)
+    monkeypatch.setattr(graphs, "_build_conv", refuse)
+    key = graphs.conv_key("wgrad", (1, 3, 8, 8), (4, 3, 3, 3), (1, 1), (1, 1), "float32", False)
+    try:
+        with caplog.at_level(logging.WARNING, logger="pipeline.gpu_kernels"):
+            assert graphs.get(key) is None
+            assert graphs.get(key) is None
+        assert attempts == [key]
+        assert len([r for r in caplog.records if "cannot run" in r.getMessage()]) == 1
+        assert key in [k for k, _ in graphs.cached_keys()]
+        assert not functions.conv_ready((1, 3, 8, 8), (4, 3, 3, 3), 1, 1, "float32", True)
+    finally:
+        graphs._reset_for_tests()
+
+
+def test_links_on_numpy_never_ask_for_cudnn(monkeypatch):
+    from pipeline.backends.chainer import cpu_kernels
+    monkeypatch.setattr(graphs, "load", lambda: pytest.fail("cuDNN asked for a NumPy array"))
+    link = cpu_kernels.Convolution2D(3, 4, 3, pad=1)
+    bn = cpu_kernels.BatchNormalization(4)
+    with chainer.using_config("train", True):
+        y = bn(link(np.ones((2, 3, 8, 8), np.float32)))
+    assert y.shape == (2, 4, 8, 8)
+
+
+def _momentum_model(decay):
+    from pipeline.backends.chainer.models import build_model
+    model = build_model("small-cnn", seed=0)
+    opt = setup_optimizer(make_optimizer("momentum", 0.05, weight_decay=decay), model)
+    for p in model.params():
+        p.grad = np.full_like(p.array, 0.01)
+    return model, opt
+
+
+@pytest.mark.parametrize("decay", [0.0, 5e-4])
+def test_fused_update_on_numpy_is_chainers_update(decay):
+    model_a, opt_a = _momentum_model(decay)
+    model_b, opt_b = _momentum_model(decay)
+    before = dict(fused_update.stats)
+    assert fused_update.update(opt_a) is False
+    opt_b.update()
+    assert fused_update.stats["fallback"] == before["fallback"] + 1
+    for (name, a), (_, b) in zip(model_a.namedparams(), model_b.namedparams()):
+        assert a.array.tobytes() == b.array.tobytes(), name
+    assert opt_a.t == opt_b.t == 1
+
+
+def test_fused_plan_rules():
+    model, opt = _momentum_model(5e-4)
+    assert fused_update._kind(opt) == "momentum"
+    assert fused_update._decay_rate(opt) == 5e-4
+    assert fused_update.plan(opt) is None  # NumPy parameters
+    adam = make_optimizer("adam", 1e-3)
+    assert fused_update._kind(adam) == "adam"
+    assert fused_update._kind(make_optimizer("sgd", 0.1)) is None
+    amsgrad = chainer.optimizers.Adam(amsgrad=True)
+    assert fused_update._kind(amsgrad) is None
+    opt.add_hook(chainer.optimizer_hooks.GradientClipping(1.0))
+    assert fused_update._decay_rate(opt) is None
+
+
+def test_fused_kernels_hold_chainers_arithmetic():
+    """The bodies are Chainer 7.8.1's own kernel text (the bits depend on it)."""
+    import inspect
+
+    from chainer.optimizers import adam, momentum_sgd
+    for line in fused_update._MOMENTUM.splitlines():
+        assert line.strip() in inspect.getsource(momentum_sgd.MomentumSGDRule.update_core_gpu)
+    adam_source = inspect.getsource(adam.AdamRule.update_core_gpu)
+    for line in fused_update._ADAM.splitlines():
+        line = line.strip().replace("static_cast<T>(m_)", "static_cast<P>(m_)")
+        line = line.replace("static_cast<T>(v_);", "static_cast<P>(v_);")
+        assert line.split("(")[0] in adam_source, line
+    assert "param -= eta * (alpha_t * m_ / (sqrt(v_) + eps) +" in adam_source
