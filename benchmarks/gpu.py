@@ -109,9 +109,13 @@ def _kernel_seconds(step, steps: int):
     return (total_us / 1e6 if total_us else None), top
 
 
+SECONDS = {"per_loop": 3.0}  # --seconds
+
+
 def _timed_loop(step, sync, warmup: int, steps: int, batch: int, profile_steps: int = 10,
-                seconds: float = 3.0):
+                seconds: float | None = None):
     """images/s over ``steps`` steps (fewer if that takes longer than ``seconds``)."""
+    seconds = SECONDS["per_loop"] if seconds is None else seconds
     for i in range(warmup):
         step(i)
     sync()
@@ -338,6 +342,7 @@ def main(argv=None):
     p.add_argument("--ipm-batches", default="100", help="batches at which (d) runs")
     p.add_argument("--skip-ipm", action="store_true")
     a = p.parse_args(argv)
+    SECONDS["per_loop"] = a.seconds
     import cupy
     from pipeline.backends.chainer import compat
     from pipeline.backends.chainer.gpu_kernels import graphs
