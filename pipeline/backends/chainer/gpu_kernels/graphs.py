@@ -43,7 +43,7 @@ def _preload(patterns: tuple[str, ...]) -> str | None:
     """
     for base in _site_dirs():
         for pattern in patterns:
-            for path in sorted(glob.glob(os.path.join(base, "nvidia", pattern))):
+            for path in sorted(glob.glob(os.path.join(base, "nvidia", pattern), recursive=True)):
                 try:
                     ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
                     return path
@@ -67,8 +67,9 @@ def load():
         try:
             major = _cuda_major()
             # only the runtime CuPy runs on: the frontend refuses a process with two majors
-            _preload((f"cu{major}/lib/libcudart.so.{major}", f"cuda_runtime/lib/libcudart.so.{major}"))
-            _preload(("cudnn/lib/libcudnn.so.9", f"cu{major}/lib/libcudnn.so.9"))
+            _preload((f"cu{major}/lib/libcudart.so.{major}", f"cuda_runtime/lib/libcudart.so.{major}",
+                      f"**/libcudart.so.{major}"))
+            _preload(("cudnn/lib/libcudnn.so.9", f"cu{major}/lib/libcudnn.so.9", "**/libcudnn.so.9"))
             import cudnn
             version = cudnn.backend_version()
             _LOAD["module"] = cudnn
