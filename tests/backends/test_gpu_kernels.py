@@ -193,3 +193,66 @@ def test_fused_kernels_hold_chainers_arithmetic():
         line = line.replace("static_cast<T>(v_);", "static_cast<P>(v_);")
         assert line.split("(")[0] in adam_source, line
     assert "param -= eta * (alpha_t * m_ / (sqrt(v_) + eps) +" in adam_source
+
+
+def _numpy_kernel(kind, decay):
+    """The fused kernel's arithmetic in NumPy (float32), for the plumbing test below."""
+    def run(grad_in, *args):
+        f32 = [np.float32(a) for a in args[:len(args) - (2 if kind == "momentum" else 3)]]
+        arrays = args[len(f32):]
+        param = arrays[0]
+        grad = grad_in.copy()
+        if decay:
+            grad += f32.pop(0) * param
+        if kind == "momentum":
+            lr, momentum = f32
+            v = arrays[1]
+            v *= momentum
+            v -= lr * grad
+            param += v
+        else:
+            alpha_t, omb1, omb2, eps, eta, wdr = f32
+            m, v = arrays[1:]
+            m += omb1 * (grad - m)
+            v += omb2 * (grad * grad - v)
+            param -= eta * (alpha_t * m / (np.sqrt(v) + eps) + wdr * param)
+    return run
+
+
+@pytest.mark.parametrize("name,decay", [("momentum", 5e-4), ("adam", 0.0), ("adam", 5e-4)])
+def test_fused_update_plumbing_on_flat_views(name, decay, monkeypatch):
+    """Flat buffers, views, slots, step counts and scalars, with NumPy standing in for CuPy."""
+    import types
+
+    from pipeline.backends.chainer.models import build_model
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(concatenate=np.concatenate))
+    monkeypatch.setattr(gpu_kernels, "is_cupy", lambda a: isinstance(a, np.ndarray))
+    monkeypatch.setattr(fused_update, "_kernel", _numpy_kernel)
+    monkeypatch.setenv("PIPELINE_FUSED_UPDATE", "1")
+    pairs = []
+    for _ in range(2):
+        link = build_model("small-cnn", seed=0)
+        pairs.append((link, setup_optimizer(make_optimizer(name, 0.05 if name == "momentum"
+                                                           else 1e-3, weight_decay=decay), link)))
+    (link_a, opt_a), (link_b, opt_b) = pairs
+    rng = np.random.default_rng(0)
+    for step in range(3):
+        for pa, pb in zip(link_a.params(), link_b.params()):
+            g = (rng.standard_normal(pa.shape) * 0.1).astype(np.float32)
+            pa.grad, pb.grad = g, g.copy()
+        assert fused_update.update(opt_a) is True
+        opt_b.update()
+        flat = opt_a._pipeline_flat
+        assert all(np.shares_memory(p.array, flat.params) for p in link_a.params())
+    for (n, pa), (_, pb) in zip(link_a.namedparams(), link_b.namedparams()):
+        np.testing.assert_allclose(pa.array, pb.array, rtol=1e-6, atol=1e-7, err_msg=n)
+        for slot in pb.update_rule.state:
+            np.testing.assert_allclose(pa.update_rule.state[slot], pb.update_rule.state[slot],
+                                       rtol=1e-5, atol=1e-8, err_msg=f"{n}/{slot}")
+            assert np.shares_memory(pa.update_rule.state[slot], flat.slots[slot])
+        assert pa.update_rule.t == pb.update_rule.t == 3
+    assert opt_a.t == opt_b.t == 3
+    # the serialized state (what crosses task boundaries) is the same shape and keys
+    from pipeline.backends.chainer.state import get_optimizer_state, get_state
+    assert list(get_optimizer_state(opt_a)) == list(get_optimizer_state(opt_b))
+    assert list(get_state(link_a)) == list(get_state(link_b))

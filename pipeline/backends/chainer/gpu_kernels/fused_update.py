@@ -129,6 +129,12 @@ def plan(optimizer) -> tuple | None:
     return (kind, decay, pairs) if len(ts) == 1 else None
 
 
+def _address(array) -> int:
+    """Where an array's data starts (CuPy: device pointer; NumPy, in tests: host address)."""
+    data = array.data
+    return data.ptr if hasattr(data, "ptr") else array.ctypes.data
+
+
 class Flat:
     """Flat buffers of one optimizer's target: parameters and slots are views of them."""
 
@@ -150,7 +156,7 @@ class Flat:
         self.pointers = self._pointers()
 
     def _pointers(self) -> list:
-        return [(p.array.data.ptr, *(r.state[s].data.ptr for s in self.slots))
+        return [(_address(p.array), *(_address(r.state[s]) for s in self.slots))
                 for p, r in self.pairs]
 
     def still_bound(self, pairs) -> bool:

@@ -231,22 +231,31 @@ def _build_conv(cudnn, key: Key) -> Built:
         wt = g.tensor(name="w", dim=list(key.w), stride=nchw_strides(key.w), data_type=dt)
         out = g.conv_fprop(image=x, weight=wt, name="fprop", **conv)
         out.set_output(True).set_dim(list(y_shape)).set_stride(nchw_strides(y_shape))
-        uids = {"x": x.get_uid(), "w": wt.get_uid()}
+        roles = {"x": x, "w": wt}
     elif key.op == "conv_dgrad":
         dy = g.tensor(name="dy", dim=list(y_shape), stride=nchw_strides(y_shape), data_type=dt)
         wt = g.tensor(name="w", dim=list(key.w), stride=nchw_strides(key.w), data_type=dt)
         out = g.conv_dgrad(loss=dy, filter=wt, name="dgrad", **conv)
         out.set_output(True).set_dim(list(key.x)).set_stride(nchw_strides(key.x))
-        uids = {"dy": dy.get_uid(), "w": wt.get_uid()}
+        roles = {"dy": dy, "w": wt}
     else:
         x = g.tensor(name="x", dim=list(key.x), stride=nchw_strides(key.x), data_type=dt)
         dy = g.tensor(name="dy", dim=list(y_shape), stride=nchw_strides(y_shape), data_type=dt)
         out = g.conv_wgrad(image=x, loss=dy, name="wgrad", **conv)
         out.set_output(True).set_dim(list(key.w)).set_stride(nchw_strides(key.w))
-        uids = {"x": x.get_uid(), "dy": dy.get_uid()}
+        roles = {"x": x, "dy": dy}
     out.set_data_type(dt)
-    uids["out"] = out.get_uid()
-    return Built(g, uids, _finish(cudnn, g, key), {})
+    roles["out"] = out
+    return _built(cudnn, g, key, roles, {})
+
+
+def _built(cudnn, g, key: Key, roles: dict, scalars: dict) -> Built:
+    """Give every role's tensor its own uid (the frontend numbers tensors only while building,
+    so ``get_uid()`` is 0 for all of them before), build, and keep the uids by role."""
+    for uid, tensor in enumerate(roles.values(), start=1):
+        tensor.set_uid(uid)
+    workspace = _finish(cudnn, g, key)
+    return Built(g, {role: t.get_uid() for role, t in roles.items()}, workspace, scalars)
 
 
 def _bn_tensors(g, cudnn, key: Key, names):
@@ -276,10 +285,9 @@ def _build_bn(cudnn, key: Key, eps: float, decay: float) -> Built:
         y.set_output(True).set_data_type(dt).set_stride(strides)
         for out in (saved_mean, saved_inv, next_mean, next_var):
             out.set_output(True).set_data_type(cudnn.data_type.FLOAT)
-        uids = {"x": x.get_uid(), **{k: v.get_uid() for k, v in t.items()},
-                "eps": eps_t.get_uid(), "momentum": mom_t.get_uid(), "y": y.get_uid(),
-                "saved_mean": saved_mean.get_uid(), "saved_inv_std": saved_inv.get_uid(),
-                "next_mean": next_mean.get_uid(), "next_var": next_var.get_uid()}
+        roles = {"x": x, **t, "eps": eps_t, "momentum": mom_t, "y": y,
+                 "saved_mean": saved_mean, "saved_inv_std": saved_inv,
+                 "next_mean": next_mean, "next_var": next_var}
     elif key.op == "bn_backward":
         x, t, strides = _bn_tensors(g, cudnn, key, ("gamma", "saved_mean", "saved_inv_std"))
         dy = g.tensor(name="dy", dim=list(key.x), stride=strides, data_type=dt)
@@ -289,17 +297,16 @@ def _build_bn(cudnn, key: Key, eps: float, decay: float) -> Built:
         dx.set_output(True).set_data_type(dt).set_stride(strides)
         dgamma.set_output(True).set_data_type(cudnn.data_type.FLOAT)
         dbeta.set_output(True).set_data_type(cudnn.data_type.FLOAT)
-        uids = {"x": x.get_uid(), "dy": dy.get_uid(), **{k: v.get_uid() for k, v in t.items()},
-                "dx": dx.get_uid(), "dgamma": dgamma.get_uid(), "dbeta": dbeta.get_uid()}
+        roles = {"x": x, "dy": dy, **t, "dx": dx, "dgamma": dgamma, "dbeta": dbeta}
         scalars = {}
     else:  # inference with given mean and 1/sqrt(var + eps)
         x, t, strides = _bn_tensors(g, cudnn, key, ("gamma", "beta", "mean", "inv_std"))
         y = g.batchnorm_inference(input=x, mean=t["mean"], inv_variance=t["inv_std"],
                                   scale=t["gamma"], bias=t["beta"], name="bn_inference")
         y.set_output(True).set_data_type(dt).set_stride(strides)
-        uids = {"x": x.get_uid(), **{k: v.get_uid() for k, v in t.items()}, "y": y.get_uid()}
+        roles = {"x": x, **t, "y": y}
         scalars = {}
-    return Built(g, uids, _finish(cudnn, g, key), scalars)
+    return _built(cudnn, g, key, roles, scalars)
 
 
 def get(key: Key, **params) -> Built | None:
