@@ -164,10 +164,12 @@ def test_model_step_with_cudnn_matches_chainers_functions(model):
             loss.backward()
         results.append((float(loss.array), {n: p.grad.get() for n, p in link.namedparams()}))
     (loss_a, grads_a), (loss_b, grads_b) = results
-    assert loss_a == pytest.approx(loss_b, rel=1e-5)
+    assert loss_a == pytest.approx(loss_b, rel=1e-4)
     num = sum(np.linalg.norm(grads_a[k] - grads_b[k]) ** 2 for k in grads_a) ** 0.5
     den = sum(np.linalg.norm(grads_b[k]) ** 2 for k in grads_b) ** 0.5
-    assert num <= 1e-4 * den, num / den
+    # BatchNorm over 16 images amplifies rounding: one backward pass of resnet20 on GPU and CPU
+    # agrees to 2e-3 (test_gpu.py); a wrong kernel is an O(1) difference
+    assert num <= 2e-3 * den, num / den
 
 
 def _optimizer_pair(name, decay):
