@@ -236,6 +236,7 @@ def test_fused_update_plumbing_on_flat_views(name, decay, monkeypatch):
                                                            else 1e-3, weight_decay=decay), link)))
     (link_a, opt_a), (link_b, opt_b) = pairs
     rng = np.random.default_rng(0)
+    flats = set()
     for step in range(3):
         for pa, pb in zip(link_a.params(), link_b.params()):
             g = (rng.standard_normal(pa.shape) * 0.1).astype(np.float32)
@@ -243,7 +244,9 @@ def test_fused_update_plumbing_on_flat_views(name, decay, monkeypatch):
         assert fused_update.update(opt_a) is True
         opt_b.update()
         flat = opt_a._pipeline_flat
+        flats.add(id(flat))
         assert all(np.shares_memory(p.array, flat.params) for p in link_a.params())
+    assert len(flats) == 1  # built once, reused every step
     for (n, pa), (_, pb) in zip(link_a.namedparams(), link_b.namedparams()):
         np.testing.assert_allclose(pa.array, pb.array, rtol=1e-6, atol=1e-7, err_msg=n)
         for slot in pb.update_rule.state:
@@ -256,3 +259,5 @@ def test_fused_update_plumbing_on_flat_views(name, decay, monkeypatch):
     from pipeline.backends.chainer.state import get_optimizer_state, get_state
     assert list(get_optimizer_state(opt_a)) == list(get_optimizer_state(opt_b))
     assert list(get_state(link_a)) == list(get_state(link_b))
+    next(link_a.params()).grad = None  # a missing gradient: Chainer's update (it uses zeros)
+    assert fused_update.update(opt_a) is False
