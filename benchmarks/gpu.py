@@ -329,6 +329,7 @@ def main(argv=None):
     p.add_argument("--pipeline-kernels", default="cudnn", choices=sorted(KERNELS),
                    help="kernels of the pipeline runs (c) and (d)")
     p.add_argument("--skip-torch", action="store_true")
+    p.add_argument("--skip-bare", action="store_true", help="no bare loops (torch or Chainer)")
     p.add_argument("--skip-typecheck", action="store_true",
                    help="skip the bare loop with Chainer's type checks on")
     p.add_argument("--skip-single", action="store_true")
@@ -355,7 +356,7 @@ def main(argv=None):
         _partial(key, name, fig)
         cupy.get_default_memory_pool().free_all_blocks()
 
-    for model, batch in configs:  # phase 1: the bare loops
+    for model, batch in configs if not a.skip_bare else ():  # phase 1: the bare loops
         key = f"{model}@b{batch}"
         if not a.skip_torch:
             run(key, "torch", bench_torch, model, batch, a.steps, 20)
