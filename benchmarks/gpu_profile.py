@@ -163,15 +163,15 @@ def _torch_activity(step, steps: int):
             step(i)
         torch.cuda.synchronize()
     kernel_us, launches, copies = 0.0, 0, 0
-    for e in prof.events():
-        if getattr(e, "device_type", None) is None or "CUDA" not in str(e.device_type):
+    for e in prof.key_averages():  # CUDA activity only: GPU kernels and copies, one key a name
+        us = getattr(e, "self_device_time_total", 0.0) or 0.0
+        if us <= 0:
             continue
-        name = e.name.lower()
-        if "memcpy" in name or "memset" in name:
-            copies += 1
+        if "memcpy" in e.key.lower() or "memset" in e.key.lower():
+            copies += e.count
         else:
-            launches += 1
-            kernel_us += e.time_range.elapsed_us()
+            launches += e.count
+            kernel_us += us
     return round(kernel_us / steps / 1e3, 3), round(launches / steps, 1), round(copies / steps, 1)
 
 

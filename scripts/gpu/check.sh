@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU round trip for issue 27, run on the GPU machine in the repository root with .whl/ carried
-# (scripts/gpu/prepare.sh fills it): ~6 minutes at most on an H100.
+# (scripts/gpu/prepare.sh fills it): ~5.5 minutes on an H100.
 #
 #   bash scripts/gpu/check.sh
 #
