@@ -216,6 +216,7 @@ def profile_config(model: str, batch: int, variant: str, steps: int, warmup: int
     out["fused_updates"] = dict(fused_update.stats)
     if variant == "cudnn":
         out["cudnn_unavailable"] = graphs.unavailable_reason()
+        out["cudnn_errors"] = dict(list(graphs.errors.items())[:4])
     return out
 
 

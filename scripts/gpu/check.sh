@@ -86,6 +86,7 @@ if cudnn:
     except Exception as exc:
         out["bn_layout"] = f"{type(exc).__name__}: {exc}"[:300]
     out["graphs"] = dict(graphs.stats)
+    out["graph_errors"] = dict(list(graphs.errors.items())[:6])
 print(json.dumps(out))
 PY
 }

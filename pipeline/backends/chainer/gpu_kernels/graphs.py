@@ -90,6 +90,8 @@ def unavailable_reason() -> str | None:
 def _reset_for_tests(module=None, reason=None, tried=False) -> None:
     _LOAD.update(tried=tried, module=module, reason=reason)
     _local.__dict__.clear()
+    stats.update(built=0, unsupported=0, executed=0)
+    errors.clear()
 
 
 # --------------------------------------------------------------------------------------- keys
@@ -326,13 +328,19 @@ def get(key: Key, **params) -> Built | None:
                                else _build_bn(cudnn, key, params["eps"], params["decay"]))
         except Exception as exc:  # cudnnGraphNotSupportedError, or a build failure
             cache[full_key] = None
-            log.warning("cuDNN cannot run %s (%s: %s); Chainer's function runs it", key,
-                        type(exc).__name__, " ".join(str(exc).split())[:200])
+            reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+            if len(errors) < 50:
+                errors[str(key)] = reason
+            # one warning a process; the rest (e.g. every BatchNorm shape) at debug level
+            (log.warning if not stats["unsupported"] else log.debug)(
+                "cuDNN cannot run %s (%s); Chainer's function runs it%s", key, reason,
+                "" if stats["unsupported"] else " (further ones: debug level)")
         stats["built" if cache[full_key] is not None else "unsupported"] += 1
     return cache[full_key]
 
 
 stats = {"built": 0, "unsupported": 0, "executed": 0}  # per process, read by benchmarks
+errors: dict = {}  # str(key) -> why cuDNN could not build it (the first 50), for reports
 
 
 def execute(built: Built, pointers: dict) -> None:
@@ -354,4 +362,5 @@ def cached_keys() -> list:
 
 
 __all__ = ["load", "unavailable_reason", "Key", "conv_key", "bn_key", "out_hw", "nchw_strides",
-           "nhwc_strides", "tf32_allowed", "Built", "get", "execute", "stats", "cached_keys"]
+           "nhwc_strides", "tf32_allowed", "Built", "get", "execute", "stats", "errors",
+           "cached_keys"]
