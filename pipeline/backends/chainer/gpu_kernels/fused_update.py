@@ -1,12 +1,15 @@
-"""One CuPy kernel for a whole optimizer step (Adam, momentum SGD) over flat parameter, gradient and state buffers.
+"""One CuPy kernel for a whole optimizer step (Adam, momentum SGD) over every parameter, gradient and slot.
 
 Chainer updates a model one parameter at a time: one kernel per parameter and rule (resnet20:
-65 parameters, so 65 launches, 130 with weight decay), each behind a few microseconds of Python.
-Here the parameters, and the optimizer's slots, are views of one flat buffer per role, the
-gradients are gathered into one (one ``concatenate``), and a single elementwise kernel updates
-everything. The per-element arithmetic is the text of Chainer 7.8.1's own kernels
-(``MomentumSGDRule``, ``AdamRule``, ``WeightDecay``) with the same float32 scalars, so the numbers
-are Chainer's (tests/backends/test_gpu_kernels.py compares the bits).
+65 parameters, so 65 launches, 130 with weight decay), each behind tens of microseconds of
+Python. Here one elementwise kernel runs over all elements of all parameters: each thread finds
+its parameter in a table of cumulative sizes and reaches the parameter, its gradient and its
+slots through tables of device pointers (as CuPy's own ``concatenate`` kernel does). The
+parameter and slot tables are built once per optimizer; the gradient table (fresh arrays every
+step) is one small upload a step. Nothing is copied or re-laid out: the arrays stay Chainer's.
+The per-element arithmetic is the text of Chainer 7.8.1's own kernels (``MomentumSGDRule``,
+``AdamRule``, ``WeightDecay``) on the same float32 scalars, so the numbers are Chainer's
+(tests/backends/test_gpu_cudnn.py compares the bits).
 
 Anything else (NumPy, other optimizers or hooks, per-parameter hyperparameters, AMSGrad,
 AdaBound, loss scaling, a missing gradient) runs ``optimizer.update()``. ``PIPELINE_FUSED_UPDATE=0``
@@ -37,36 +40,51 @@ v = static_cast<T>(v_);
 param -= eta * (alpha_t * m_ / (sqrt(v_) + eps) + weight_decay_rate * param);"""
 
 SPECS = {  # name -> (scalar inputs, state slots, body)
-    "momentum": ("T lr, T momentum", ("v",), _MOMENTUM),
-    "adam": ("T alpha_t, T one_minus_beta1, T one_minus_beta2, T eps, T eta, "
-             "T weight_decay_rate", ("m", "v"), _ADAM),
+    "momentum": (("lr", "momentum"), ("v",), _MOMENTUM),
+    "adam": (("alpha_t", "one_minus_beta1", "one_minus_beta2", "eps", "eta",
+              "weight_decay_rate"), ("m", "v"), _ADAM),
 }
+
+# Element i of the concatenation of all parameters: binary search of the cumulative sizes
+# (cum[j] <= i < cum[j + 1]), then references into parameter j and its gradient and slots.
+_FIND = """ptrdiff_t lo_ = 0, hi_ = cum.size() - 1;
+while (hi_ - lo_ > 1) {
+  ptrdiff_t mid_ = (lo_ + hi_) / 2;
+  if (i < cum[mid_]) hi_ = mid_; else lo_ = mid_;
+}
+const ptrdiff_t k_ = i - cum[lo_];
+const T grad_in = reinterpret_cast<const T*>(grad_ptrs[lo_])[k_];
+T& param = reinterpret_cast<T*>(param_ptrs[lo_])[k_];
+"""
 
 
 def kernel_source(name: str, decay: bool) -> tuple[str, str, str]:
-    """(in params, out params, body) of the fused kernel.
-
-    The gradient array comes first, as in Chainer's kernels, so it fixes ``T`` (float32) for the
-    scalars; the body works on a local copy named ``grad``, which weight decay may change.
+    """(in params, out params, body) of the fused kernel (``T`` is float32, from the preamble).
 
     >>> ins, outs, body = kernel_source("momentum", decay=True)
-    >>> ins, outs
-    ('T grad_in, T decay, T lr, T momentum', 'T param, T v')
-    >>> body.splitlines()[:2]
+    >>> ins
+    'raw int64 grad_ptrs, raw int64 cum, float32 decay, float32 lr, float32 momentum, raw int64 v_ptrs'
+    >>> outs
+    'raw int64 param_ptrs'
+    >>> body.splitlines()[-4:-2]
     ['T grad = grad_in;', 'grad = grad + decay * param;']
     """
     scalars, slots, body = SPECS[name]
-    ins = "T grad_in, " + ("T decay, " if decay else "") + scalars
-    outs = ", ".join(["T param"] + [f"T {s}" for s in slots])
-    return ins, outs, "T grad = grad_in;\n" + (_DECAY if decay else "") + body
+    names = (("decay",) if decay else ()) + scalars
+    ins = ", ".join(["raw int64 grad_ptrs", "raw int64 cum"] + [f"float32 {n}" for n in names]
+                    + [f"raw int64 {s}_ptrs" for s in slots])
+    refs = "".join(f"T& {s} = reinterpret_cast<T*>({s}_ptrs[lo_])[k_];\n" for s in slots)
+    return (ins, "raw int64 param_ptrs",
+            _FIND + refs + "T grad = grad_in;\n" + (_DECAY if decay else "") + body)
 
 
 def _kernel(name: str, decay: bool):
     key = (name, decay)
     if key not in _KERNELS:
         import cupy
-        _KERNELS[key] = cupy.ElementwiseKernel(*kernel_source(name, decay),
-                                               f"pipeline_fused_{name}{'_wd' if decay else ''}")
+        _KERNELS[key] = cupy.ElementwiseKernel(
+            *kernel_source(name, decay), f"pipeline_fused_{name}{'_wd' if decay else ''}",
+            preamble="typedef float T;")
     return _KERNELS[key]
 
 
@@ -129,8 +147,14 @@ def plan(optimizer) -> tuple | None:
     return (kind, decay, pairs) if len(ts) == 1 else None
 
 
-class Flat:
-    """Flat buffers of one optimizer's target: parameters and slots are views of them.
+def _pointers(arrays) -> np.ndarray:
+    """Data addresses (CuPy: device pointers; NumPy, in tests: host addresses) as int64."""
+    return np.fromiter((a.data.ptr if hasattr(a.data, "ptr") else a.ctypes.data
+                        for a in arrays), np.int64, len(arrays))
+
+
+class Tables:
+    """Device tables of one optimizer's target: cumulative sizes, parameter and slot pointers.
 
     Built once per optimizer (our tasks make one per task) after :func:`plan` checked it in full;
     each step then only checks what a step can change (:meth:`ready`).
@@ -139,32 +163,38 @@ class Flat:
     def __init__(self, kind, decay, pairs):
         import cupy
         self.kind, self.decay, self.pairs = kind, decay, pairs
-        sizes = [p.array.size for p, _ in pairs]
-        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self.params = cupy.concatenate([p.array.ravel() for p, _ in pairs])
         for param, rule in pairs:
             rule._init_states(param)  # Chainer's own lazy slot creation (zeros) or device move
-        self.slots = {}
-        for slot in SPECS[kind][1]:
-            self.slots[slot] = cupy.concatenate([rule.state[slot].ravel() for _, rule in pairs])
-        for (param, rule), lo, hi in zip(pairs, self.offsets[:-1], self.offsets[1:]):
-            param.array = self.params[lo:hi].reshape(param.array.shape)
-            for slot, flat in self.slots.items():
-                rule.state[slot] = flat[lo:hi].reshape(param.array.shape)
+        self.slot_names = SPECS[kind][1]
+        for _, rule in pairs:  # loaded slots are views of one upload: contiguous already
+            for slot in self.slot_names:
+                if not rule.state[slot].flags.c_contiguous:
+                    rule.state[slot] = cupy.ascontiguousarray(rule.state[slot])
+        sizes = [p.array.size for p, _ in pairs]
+        self.total = int(sum(sizes))
+        self.cum = cupy.asarray(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
+        self.param_ptrs = cupy.asarray(_pointers([p.array for p, _ in pairs]))
+        self.slot_ptrs = [cupy.asarray(_pointers([r.state[s] for _, r in pairs]))
+                          for s in self.slot_names]
         self.bound = self._bound()
 
     def _bound(self) -> list:
-        return [(id(p.array), *(id(r.state[s]) for s in self.slots)) for p, r in self.pairs]
+        return [(id(p.array), *(id(r.state[s]) for s in self.slot_names)) for p, r in self.pairs]
 
     def ready(self, optimizer) -> bool:
-        """True while our views are still the parameters and slots (nothing replaced them),
-        every parameter has a float32 gradient, and the rules are enabled and in step."""
+        """True while the tables still point at the parameters and slots (nothing replaced an
+        array), every parameter has a C-contiguous float32 gradient, and the rules are enabled
+        and in step."""
         if (_kind(optimizer) != self.kind or _decay_rate(optimizer) != self.decay
                 or self._bound() != self.bound):
             return False
         t = self.pairs[0][1].t
-        return all(p.grad is not None and p.grad.dtype == np.float32 and r.enabled and r.t == t
-                   for p, r in self.pairs)
+        for p, r in self.pairs:
+            g = p.grad
+            if (g is None or g.dtype != np.float32 or not g.flags.c_contiguous
+                    or not r.enabled or r.t != t):
+                return False
+        return True
 
 
 def _scalars(kind, optimizer, t: int) -> tuple:
@@ -184,28 +214,33 @@ def update(optimizer) -> bool:
     """``optimizer.update()`` (no loss function) in one kernel where :func:`plan` allows.
 
     Returns True when the fused kernel ran, False when Chainer's own update did. Per-rule
-    hyperparameters are checked when the flat buffers are built, not every step: our tasks never
+    hyperparameters are checked when the pointer tables are built, not every step: our tasks never
     change them after ``setup`` (the learning rate lives on the optimizer).
     """
-    flat = getattr(optimizer, "_pipeline_flat", None) if enabled() else None
-    if flat is None or not flat.ready(optimizer):
+    tables = getattr(optimizer, "_pipeline_tables", None) if enabled() else None
+    if tables is None or not tables.ready(optimizer):
         found = plan(optimizer) if enabled() else None
-        if found is None:
+        if found is None or not _grads_ok(found[2]):
             stats["fallback"] += 1
             optimizer.update()
             return False
-        flat = optimizer._pipeline_flat = Flat(*found)
+        tables = optimizer._pipeline_tables = Tables(*found)
     import cupy
-    kind, decay, pairs = flat.kind, flat.decay, flat.pairs
-    grads = cupy.concatenate([p.grad.ravel() for p, _ in pairs])
+    kind, decay, pairs = tables.kind, tables.decay, tables.pairs
+    grad_ptrs = cupy.asarray(_pointers([p.grad for p, _ in pairs]))  # one small upload a step
     optimizer.t += 1
     for _, rule in pairs:
         rule.t += 1
     scalars = _scalars(kind, optimizer, pairs[0][1].t)
     args = ((decay,) if decay else ()) + scalars
-    _kernel(kind, bool(decay))(grads, *args, flat.params, *flat.slots.values())
+    _kernel(kind, bool(decay))(grad_ptrs, tables.cum, *args, *tables.slot_ptrs,
+                               tables.param_ptrs, size=tables.total)
     stats["fused"] += 1
     return True
 
 
-__all__ = ["kernel_source", "enabled", "plan", "Flat", "update", "stats", "SPECS"]
+def _grads_ok(pairs) -> bool:
+    return all(p.grad.flags.c_contiguous and p.array.flags.c_contiguous for p, _ in pairs)
+
+
+__all__ = ["kernel_source", "enabled", "plan", "Tables", "update", "stats", "SPECS"]
