@@ -269,3 +269,120 @@ def test_fused_update_plumbing_on_flat_views(name, decay, monkeypatch):
     assert list(get_state(link_a)) == list(get_state(link_b))
     next(link_a.params()).grad = None  # a missing gradient: Chainer's update (it uses zeros)
     assert fused_update.update(opt_a) is False
+
+
+# --- the cuDNN FunctionNodes' plumbing, with NumPy for CuPy and Chainer's CPU functions for cuDNN
+def _fake_graph_execute(built, pointers):
+    """What each cuDNN graph computes, from Chainer's CPU functions (linear ops) or formulas (BN)."""
+    from chainer import functions as CF
+    key, params = built
+    p = pointers
+    if key.op == "conv_fprop":
+        p["out"][...] = CF.convolution_2d(p["x"], p["w"], None, key.stride, key.pad).array
+    elif key.op == "conv_dgrad":
+        p["out"][...] = CF.deconvolution_2d(p["dy"], p["w"], None, key.stride, key.pad,
+                                            outsize=key.x[2:]).array
+    elif key.op == "conv_wgrad":
+        w = chainer.Variable(np.zeros(key.w, np.float32))
+        with chainer.using_config("enable_backprop", True):  # we are inside a backward pass
+            y = CF.convolution_2d(p["x"], w, None, key.stride, key.pad)
+            y.grad = p["dy"]
+            y.backward()
+        p["out"][...] = w.grad
+    else:
+        x = p["x"].astype(np.float64)
+        m = x.size // x.shape[1]
+        c = (None, slice(None), None, None)
+        if key.op == "bn_train":
+            mean, var = x.mean(axis=(0, 2, 3)), x.var(axis=(0, 2, 3))
+            inv_std = 1 / np.sqrt(var + params["eps"])
+            p["y"][...] = p["gamma"][c] * (x - mean[c]) * inv_std[c] + p["beta"][c]
+            p["saved_mean"][...], p["saved_inv_std"][...] = mean, inv_std
+            momentum = 1 - params["decay"]
+            p["next_mean"][...] = (1 - momentum) * p["mean"] + momentum * mean
+            p["next_var"][...] = (1 - momentum) * p["var"] + momentum * var * m / max(m - 1, 1)
+        elif key.op == "bn_backward":
+            dy = p["dy"].astype(np.float64)
+            xhat = (x - p["saved_mean"][c]) * p["saved_inv_std"][c]
+            dgamma, dbeta = (dy * xhat).sum(axis=(0, 2, 3)), dy.sum(axis=(0, 2, 3))
+            p["dgamma"][...], p["dbeta"][...] = dgamma, dbeta
+            p["dx"][...] = (p["gamma"] * p["saved_inv_std"] / m)[c] * (
+                m * dy - dbeta[c] - xhat * dgamma[c])
+        else:
+            p["y"][...] = p["gamma"][c] * (x - p["mean"][c]) * p["inv_std"][c] + p["beta"][c]
+
+
+@pytest.fixture
+def numpy_for_cupy(monkeypatch):
+    """The cuDNN nodes run on NumPy arrays (forward_cpu = forward_gpu) with fake graphs."""
+    import types
+    fake = types.SimpleNamespace(
+        empty=np.empty, zeros=np.zeros, ones=np.ones, ascontiguousarray=np.ascontiguousarray,
+        float32=np.float32, reciprocal=np.reciprocal, sqrt=np.sqrt)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    for node in (functions.Convolution2D, functions.BatchNormalization,
+                 functions.FixedBatchNormalization):
+        monkeypatch.setattr(node, "forward_cpu", node.forward_gpu, raising=False)
+    monkeypatch.setattr(graphs, "execute", _fake_graph_execute)
+    layouts = {"nchw"}
+
+    def get(key, **params):
+        return (key, params) if key.layout in layouts else None
+
+    monkeypatch.setattr(graphs, "get", get)
+    return layouts
+
+
+@pytest.mark.parametrize("xs,ws,stride,pad,bias", [
+    ((2, 3, 9, 11), (4, 3, 3), 1, 1, True), ((3, 4, 8, 8), (6, 1, 1), 2, 0, False),
+    ((2, 5, 7, 6), (3, 3, 2), (2, 1), (1, 0), True)])
+def test_conv_node_plumbing(numpy_for_cupy, xs, ws, stride, pad, bias):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(xs).astype(np.float32)
+    w = rng.standard_normal((ws[0], xs[1], ws[1], ws[2])).astype(np.float32)
+    b = rng.standard_normal(ws[0]).astype(np.float32) if bias else None
+    ours = [chainer.Variable(a.copy()) for a in (x, w, b) if a is not None]
+    theirs = [chainer.Variable(a.copy()) for a in (x, w, b) if a is not None]
+    y = gpu_kernels.convolution_2d(*ours[:2], ours[2] if bias else None, stride, pad)
+    y_ref = chainer.functions.convolution_2d(*theirs[:2], theirs[2] if bias else None, stride,
+                                             pad)
+    np.testing.assert_allclose(y.array, y_ref.array, rtol=1e-5, atol=1e-5)
+    gy = rng.standard_normal(y.shape).astype(np.float32)
+    y.grad, y_ref.grad = gy, gy.copy()
+    y.backward()
+    y_ref.backward()
+    for a, e in zip(ours, theirs):
+        np.testing.assert_allclose(a.grad, e.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("shape", [(4, 3, 5, 6), (6, 2, 1, 1)])
+def test_batch_norm_node_plumbing(numpy_for_cupy, layout, shape):
+    numpy_for_cupy.clear()
+    numpy_for_cupy.add(layout)  # only this layout "builds": nhwc goes through the transposes
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal(shape) * 2 + 1).astype(np.float32)
+    gamma, beta = (rng.standard_normal(shape[1]).astype(np.float32) for _ in range(2))
+    mean0 = rng.standard_normal(shape[1]).astype(np.float32)
+    var0 = rng.uniform(0.5, 2, shape[1]).astype(np.float32)
+    ours = [chainer.Variable(a.copy()) for a in (x, gamma, beta)]
+    theirs = [chainer.Variable(a.copy()) for a in (x, gamma, beta)]
+    rm, rv, rm_ref, rv_ref = mean0.copy(), var0.copy(), mean0.copy(), var0.copy()
+    with chainer.using_config("train", True):
+        y = gpu_kernels.batch_normalization(*ours, 2e-5, rm, rv, 0.9)
+        y_ref = chainer.functions.batch_normalization(*theirs, eps=2e-5, running_mean=rm_ref,
+                                                      running_var=rv_ref, decay=0.9)
+    assert y.creator.layout == layout and y.shape == shape
+    np.testing.assert_allclose(y.array, y_ref.array, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(rm, rm_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(rv, rv_ref, rtol=1e-5, atol=1e-6)
+    gy = rng.standard_normal(shape).astype(np.float32)
+    y.grad, y_ref.grad = gy, gy.copy()
+    y.backward()
+    y_ref.backward()
+    for a, e in zip(ours, theirs):
+        np.testing.assert_allclose(a.grad, e.grad, rtol=1e-3, atol=1e-4)
+    with chainer.using_config("train", False), chainer.no_backprop_mode():
+        y = gpu_kernels.fixed_batch_normalization(x, gamma, beta, mean0, var0, 2e-5)
+        y_ref = chainer.functions.fixed_batch_normalization(x, gamma, beta, mean0, var0, 2e-5)
+    np.testing.assert_allclose(y.array, y_ref.array, rtol=1e-5, atol=1e-5)
