@@ -224,8 +224,12 @@ def _tf32_rows(a) -> dict:
     """The batch-512 rows again in a child process with CUPY_TF32=1."""
     cmd = [sys.executable, __file__, "--models", a.models, "--batches", "512", "--variants",
            a.variants, "--steps", str(a.steps), "--warmup", str(a.warmup), "--no-tf32-row"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=a.child_timeout,
-                          env={**os.environ, "CUPY_TF32": "1"})
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=a.child_timeout,
+                              env={**os.environ, "CUPY_TF32": "1"})
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout
+        return {"error": f"CUPY_TF32=1 child ran past {a.child_timeout} s", "output": (out or "")[-800:]}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         return {"error": (done.stderr or done.stdout)[-800:]}

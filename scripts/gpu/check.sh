@@ -13,7 +13,7 @@
 #   ipm      benchmarks/gpu.py, ipm K=2/K=4 as GPU worker processes, batch 100
 #   summary  check-summary.json: every step's status and the figures the issue asks for
 # Files in $OUT (flat, 7): check-summary.json probe.log pytest-gpu.log profile.log bench.log
-# bench-ipm.log install.log. Expected ~5.5 minutes; with every step at its limit, 8.
+# bench-ipm.log install.log. Expected ~5.5 minutes; with every step at its limit, 8.5.
 # Timeouts (seconds) can be changed: T_TESTS T_PROFILE T_BENCH T_IPM.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -103,8 +103,8 @@ export -f install_wheels probe_stack gpu_tests
 step install 60 "$OUT/install.log" install_wheels
 step probe 60 "$OUT/probe.log" probe_stack
 step tests "${T_TESTS:-100}" "$OUT/pytest-gpu.log" gpu_tests
-step profile "${T_PROFILE:-55}" "$OUT/profile.log" "$PY" benchmarks/gpu_profile.py \
-  --steps 20 --warmup 5 --child-timeout 30
+step profile "${T_PROFILE:-70}" "$OUT/profile.log" "$PY" benchmarks/gpu_profile.py \
+  --steps 20 --warmup 5 --child-timeout 35
 step bench "${T_BENCH:-100}" "$OUT/bench.log" "$PY" benchmarks/gpu.py --steps 80 --seconds 1.0 \
   --skip-typecheck --skip-ipm --single-images 10000 --rounds 4
 step ipm "${T_IPM:-70}" "$OUT/bench-ipm.log" "$PY" benchmarks/gpu.py --skip-bare --skip-single \
