@@ -386,3 +386,20 @@ def test_batch_norm_node_plumbing(numpy_for_cupy, layout, shape):
         y = gpu_kernels.fixed_batch_normalization(x, gamma, beta, mean0, var0, 2e-5)
         y_ref = chainer.functions.fixed_batch_normalization(x, gamma, beta, mean0, var0, 2e-5)
     np.testing.assert_allclose(y.array, y_ref.array, rtol=1e-5, atol=1e-5)
+
+
+def test_a_graph_that_builds_but_fails_its_trial_run_is_left_to_chainer(monkeypatch, caplog):
+    def trial(built, key):
+        raise RuntimeError("CUDNN_STATUS_EXECUTION_FAILED")
+
+    graphs._reset_for_tests(module=object(), tried=True)
+    monkeypatch.setattr(graphs, "_build_conv", lambda cudnn, key: graphs.Built(None, {}, 0, {}))
+    monkeypatch.setattr(graphs, "_smoke", trial)
+    key = graphs.conv_key("fprop", (1, 3, 8, 8), (4, 3, 3, 3), (1, 1), (1, 1), "float32", False)
+    try:
+        with caplog.at_level(logging.WARNING, logger="pipeline.gpu_kernels"):
+            assert graphs.get(key) is None
+        assert "EXECUTION_FAILED" in graphs.errors[str(key)]
+        assert graphs.stats["unsupported"] == 1 and graphs.stats["built"] == 0
+    finally:
+        graphs._reset_for_tests()

@@ -326,7 +326,8 @@ def get(key: Key, **params) -> Built | None:
         try:
             cache[full_key] = (_build_conv(cudnn, key) if key.op.startswith("conv")
                                else _build_bn(cudnn, key, params["eps"], params["decay"]))
-        except Exception as exc:  # cudnnGraphNotSupportedError, or a build failure
+            _smoke(cache[full_key], key)
+        except Exception as exc:  # cudnnGraphNotSupportedError, a build or a first-run failure
             cache[full_key] = None
             reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
             if len(errors) < 50:
@@ -343,8 +344,7 @@ stats = {"built": 0, "unsupported": 0, "executed": 0}  # per process, read by be
 errors: dict = {}  # str(key) -> why cuDNN could not build it (the first 50), for reports
 
 
-def execute(built: Built, pointers: dict) -> None:
-    """Run ``built`` on CuPy's current stream; ``pointers`` maps roles to CuPy arrays."""
+def _run(built: Built, pointers: dict) -> None:
     import cupy
     cudnn = load()
     handle = _on_current_stream(cudnn)
@@ -353,7 +353,47 @@ def execute(built: Built, pointers: dict) -> None:
     for role, value in built.scalars.items():  # pass-by-value scalars: host pointers
         variant[built.uids[role]] = value.ctypes.data
     built.graph._execute(variant, workspace.data.ptr, handle)
+
+
+def execute(built: Built, pointers: dict) -> None:
+    """Run ``built`` on CuPy's current stream; ``pointers`` maps roles to CuPy arrays."""
+    _run(built, pointers)
     stats["executed"] += 1
+
+
+def smoke_shapes(key: Key) -> dict:
+    """Role -> shape of the buffers a graph reads and writes (for its first, trial run).
+
+    >>> smoke_shapes(conv_key("dgrad", (2, 3, 9, 9), (4, 3, 3, 3), (2, 2), (1, 1), "float32", False))
+    {'x': (2, 3, 9, 9), 'w': (4, 3, 3, 3), 'dy': (2, 4, 5, 5), 'out': (2, 3, 9, 9)}
+    >>> smoke_shapes(bn_key("backward", (2, 3, 4, 4), "float32"))["dgamma"]
+    (3,)
+    """
+    if key.op.startswith("conv"):
+        n, _, h, w = key.x
+        y = (n, key.w[0], out_hw(h, key.w[2], key.stride[0], key.pad[0]),
+             out_hw(w, key.w[3], key.stride[1], key.pad[1]))
+        out = {"conv_fprop": y, "conv_dgrad": key.x, "conv_wgrad": key.w}[key.op]
+        return {"x": key.x, "w": key.w, "dy": y, "out": out}
+    full = {"x", "y", "dy", "dx"}
+    roles = ("x", "y", "dy", "dx", "gamma", "beta", "mean", "var", "next_mean", "next_var",
+             "saved_mean", "saved_inv_std", "dgamma", "dbeta", "inv_std")
+    return {r: key.x if r in full else (key.x[1],) for r in roles}
+
+
+def _smoke(built: Built, key: Key) -> None:
+    """Run a new graph once on scratch buffers and wait for it: a graph that builds but fails
+    to run is found here (and left to Chainer's functions), not in the middle of a step."""
+    import cupy
+    shapes = smoke_shapes(key)
+    dtype = {"float32": cupy.float32, "float16": cupy.float16}[key.dtype]
+    pointers = {role: cupy.zeros(shapes[role], dtype=dtype if len(shapes[role]) == 4
+                                 else cupy.float32)
+                for role in built.uids if role not in built.scalars}
+    if "var" in pointers:  # a variance of zero is fine; keep the running one positive
+        pointers["var"] += 1
+    _run(built, pointers)
+    cupy.cuda.get_current_stream().synchronize()
 
 
 def cached_keys() -> list:
