@@ -5,7 +5,11 @@ For each model (``cifar10-2015``, ``resnet20``) and per-replica batch (100, 512)
 (a) ``torch``   the same architecture in PyTorch, a bare loop (Adam, uint8 batches sent to the
                 GPU and normalised there, no per-step sync), PyTorch's defaults incl. cuDNN;
 (b) ``chainer`` a bare Chainer-on-CuPy loop over the same model definition we train
-                (``pipeline.backends.chainer.models``), same optimizer and data path;
+                (``pipeline.backends.chainer.models``), same optimizer and data path, once per
+                ``--kernels`` entry: ``chainer`` (Chainer's functions: im2col + cuBLAS, and
+                Chainer's per-parameter update) and ``cudnn`` (our cuDNN graphs and the fused
+                update, ``pipeline.backends.chainer.gpu_kernels``), rows ``chainer`` and
+                ``chainer-cudnn``;
 (c) ``single``  ``pipeline.train`` with strategy single through the embedded cluster: CPU
                 workers augment, one GPU worker trains; steady-state images/s from the rounds'
                 wall-clock stamps (the first rounds, with kernel compilation, excluded);
@@ -18,6 +22,11 @@ measurement (nvidia-smi), and where a step's time goes in (a) and (b): the sum o
 durations (CUDA activity from torch.profiler, which sees CuPy's kernels too) against the step's
 wall time; the rest is the host launching kernels (Python and framework overhead).
 
+The pipeline runs (c), (d) use ``--pipeline-kernels`` (default cudnn) through the
+``PIPELINE_GPU_KERNELS``/``PIPELINE_FUSED_UPDATE`` variables their worker processes inherit.
+Phases run in order (all bare loops, then all ``single`` runs, then ``ipm``) and each figure is
+printed as a ``{"partial": ...}`` JSON line as it lands, so a run cut short keeps what it measured.
+
     python benchmarks/gpu.py                       # on a GPU machine: ~6 min on an H100
     python benchmarks/gpu.py --models resnet20 --batches 100 --skip-ipm
 """
@@ -25,6 +34,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import os
 import subprocess
 import threading
 import time
@@ -32,6 +43,8 @@ import time
 import numpy as np
 from _common import emit  # noqa: I001
 
+KERNELS = {"chainer": {"PIPELINE_GPU_KERNELS": "chainer", "PIPELINE_FUSED_UPDATE": "0"},
+           "cudnn": {"PIPELINE_GPU_KERNELS": "cudnn", "PIPELINE_FUSED_UPDATE": "1"}}
 MEAN = np.array([125.3, 123.0, 113.9], np.float32) / 255  # augment.CIFAR10_MEAN
 STD = np.array([63.0, 62.1, 66.7], np.float32) / 255
 
@@ -96,9 +109,13 @@ def _kernel_seconds(step, steps: int):
     return (total_us / 1e6 if total_us else None), top
 
 
+SECONDS = {"per_loop": 3.0}  # --seconds
+
+
 def _timed_loop(step, sync, warmup: int, steps: int, batch: int, profile_steps: int = 10,
-                seconds: float = 3.0):
+                seconds: float | None = None):
     """images/s over ``steps`` steps (fewer if that takes longer than ``seconds``)."""
+    seconds = SECONDS["per_loop"] if seconds is None else seconds
     for i in range(warmup):
         step(i)
     sync()
@@ -204,8 +221,12 @@ def bench_torch(model: str, batch: int, steps: int, warmup: int) -> dict:
 
 
 # ------------------------------------------------------------------------------- (b) chainer
-def bench_chainer(model: str, batch: int, steps: int, warmup: int, type_check: bool = False) -> dict:
+def bench_chainer(model: str, batch: int, steps: int, warmup: int, type_check: bool = False,
+                  kernels: str = "chainer") -> dict:
     import cupy
+
+    from pipeline.backends.chainer.gpu_kernels import fused_update
+    os.environ.update(KERNELS[kernels])
 
     import augment
     from pipeline.backends.chainer.compat import F, chainer
@@ -223,18 +244,20 @@ def bench_chainer(model: str, batch: int, steps: int, warmup: int, type_check: b
         lo = (i * batch) % (n - batch + 1)
         x = augment.normalize(cupy.asarray(images[lo:lo + batch]))
         t = cupy.asarray(labels[lo:lo + batch])
-        with chainer.using_config("train", True), chainer.using_config("type_check", type_check):
+        with chainer.using_config("train", True), chainer.using_config("type_check", type_check), \
+                chainer.using_config("gpu_kernels", KERNELS[kernels]["PIPELINE_GPU_KERNELS"]):
             loss = F.softmax_cross_entropy(link(x, rng=rng), t)
             link.cleargrads()
             loss.backward()
-            opt.update()
+            fused_update.update(opt)  # Chainer's opt.update() unless PIPELINE_FUSED_UPDATE=1
 
     return _timed_loop(step, cupy.cuda.Device().synchronize, warmup, steps, batch)
 
 
 # ------------------------------------------------------------------------------ (c), (d) ours
 def bench_pipeline(model: str, batch: int, rounds: int, mix_every: int, replicas: int,
-                   variant: str, cpu_workers: int, skip_rounds: int = 1) -> dict:
+                   variant: str, cpu_workers: int, skip_rounds: int = 1,
+                   kernels: str = "cudnn") -> dict:
     """Steady-state training images/s of ``pipeline.train`` on the embedded GPU cluster.
 
     ``rounds`` rounds of ``mix_every`` steps, two rounds an epoch; the first ``skip_rounds``
@@ -252,6 +275,7 @@ def bench_pipeline(model: str, batch: int, rounds: int, mix_every: int, replicas
         "train.epochs": epochs, "train.device": "gpu", "average.mix_every": str(mix_every),
         "augment.policy": "cifar", "progress": False, "checkpoint_every": 0,
         "cluster.workers": cpu_workers, **cluster})
+    os.environ.update(KERNELS[kernels])  # the GPU worker processes inherit it
     with GpuUtilisation() as util:
         result = train(cfg, log=lambda message: None)
     rounds = result.history
@@ -262,11 +286,53 @@ def bench_pipeline(model: str, batch: int, rounds: int, mix_every: int, replicas
             "images": images}
 
 
+def _partial(key: str, name: str, figure: dict) -> None:
+    print(json.dumps({"partial": key, "run": name, **{k: v for k, v in figure.items()
+                                                     if k != "top_kernels_ms"}}), flush=True)
+
+
+def _guarded(fn, *args, **kwargs) -> dict:
+    """One measurement; an exception becomes {"error": ...} so the other figures still come."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:400], "img_s": None}
+
+
+def _ratio(a: dict | None, b: dict | None):
+    if not a or not b or not a.get("img_s") or not b.get("img_s"):
+        return None
+    return round(a["img_s"] / b["img_s"], 3)
+
+
+def _ratios(row: dict, pipeline_kernels: str) -> dict:
+    bare = row.get("chainer-cudnn" if pipeline_kernels == "cudnn" else "chainer")
+    r = {"single_over_chainer": _ratio(row.get("single"), bare),
+         "chainer_over_torch": _ratio(row.get("chainer"), row.get("torch")),
+         "cudnn_over_torch": _ratio(row.get("chainer-cudnn"), row.get("torch")),
+         "cudnn_over_chainer": _ratio(row.get("chainer-cudnn"), row.get("chainer")),
+         "type_check_off_gain": _ratio(row.get("chainer"), row.get("chainer-typecheck"))}
+    for name, fig in row.items():
+        if name.startswith("ipm"):  # (d)/(c); ipm's rounds are shorter (H = 10)
+            r[f"{name}_over_single"] = _ratio(fig, row.get("single"))
+    return {k: v for k, v in r.items() if v is not None}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="cifar10-2015,resnet20")
     p.add_argument("--batches", default="100,512")
     p.add_argument("--steps", type=int, default=200, help="timed steps of the bare loops")
+    p.add_argument("--seconds", type=float, default=3.0, help="at most this long per bare loop")
+    p.add_argument("--kernels", default="chainer,cudnn",
+                   help="bare Chainer loops to run: chainer (im2col) and/or cudnn (ours)")
+    p.add_argument("--pipeline-kernels", default="cudnn", choices=sorted(KERNELS),
+                   help="kernels of the pipeline runs (c) and (d)")
+    p.add_argument("--skip-torch", action="store_true")
+    p.add_argument("--skip-bare", action="store_true", help="no bare loops (torch or Chainer)")
+    p.add_argument("--skip-typecheck", action="store_true",
+                   help="skip the bare loop with Chainer's type checks on")
+    p.add_argument("--skip-single", action="store_true")
     p.add_argument("--single-images", type=int, default=20000,
                    help="images per round of our single (a round is one train- task)")
     p.add_argument("--rounds", type=int, default=4, help="rounds of each pipeline run")
@@ -277,43 +343,55 @@ def main(argv=None):
     p.add_argument("--ipm-batches", default="100", help="batches at which (d) runs")
     p.add_argument("--skip-ipm", action="store_true")
     a = p.parse_args(argv)
+    SECONDS["per_loop"] = a.seconds
     import cupy
     from pipeline.backends.chainer import compat
+    from pipeline.backends.chainer.gpu_kernels import graphs
     print(compat.cuda_summary(), flush=True)
-    figures, ratios = {}, {}
-    for model in a.models.split(","):
-        for batch in (int(b) for b in a.batches.split(",")):
-            key = f"{model}@b{batch}"
-            row = figures[key] = {}
-            row["torch"] = bench_torch(model, batch, a.steps, 20)
-            row["chainer"] = bench_chainer(model, batch, a.steps, 20)  # as our tasks run it
-            row["chainer-typecheck"] = bench_chainer(model, batch, a.steps, 20, type_check=True)
-            cupy.get_default_memory_pool().free_all_blocks()
-            row["single"] = bench_pipeline(model, batch, a.rounds, max(1, a.single_images // batch),
-                                           1, "serial", a.cpu_workers)
-            if not a.skip_ipm and str(batch) in a.ipm_batches.split(","):
-                for k in (int(r) for r in a.replicas.split(",")):
-                    for variant in a.variants.split(","):
-                        row[f"ipm{k}-{variant}"] = bench_pipeline(
-                            model, batch, a.rounds + 2, a.ipm_mix_every, k, variant,
-                            a.cpu_workers)
-            r = ratios[key] = {
-                "single_over_chainer": round(row["single"]["img_s"] / row["chainer"]["img_s"], 3),
-                "chainer_over_torch": round(row["chainer"]["img_s"] / row["torch"]["img_s"], 3),
-                "type_check_off_gain": round(row["chainer"]["img_s"]
-                                             / row["chainer-typecheck"]["img_s"], 3)}
-            for name, fig in row.items():
-                if name.startswith("ipm"):  # (d)/(c); ipm's rounds are shorter (H = 10)
-                    r[f"{name}_over_single"] = round(fig["img_s"] / row["single"]["img_s"], 3)
-            print(key, {n: f["img_s"] for n, f in row.items()}, r, flush=True)
+    configs = [(m, int(b)) for m in a.models.split(",") for b in a.batches.split(",")]
+    figures = {f"{m}@b{b}": {} for m, b in configs}
+
+    def run(key, name, fn, *args, **kwargs):
+        figures[key][name] = fig = _guarded(fn, *args, **kwargs)
+        _partial(key, name, fig)
+        cupy.get_default_memory_pool().free_all_blocks()
+
+    for model, batch in configs if not a.skip_bare else ():  # phase 1: the bare loops
+        key = f"{model}@b{batch}"
+        if not a.skip_torch:
+            run(key, "torch", bench_torch, model, batch, a.steps, 20)
+        for kernels in a.kernels.split(","):
+            name = "chainer" if kernels == "chainer" else f"chainer-{kernels}"
+            run(key, name, bench_chainer, model, batch, a.steps, 20, kernels=kernels)
+        if not a.skip_typecheck:
+            run(key, "chainer-typecheck", bench_chainer, model, batch, a.steps, 20,
+                type_check=True)
+    for model, batch in configs if not a.skip_single else ():  # phase 2: single
+        run(f"{model}@b{batch}", "single", bench_pipeline, model, batch, a.rounds,
+            max(1, a.single_images // batch), 1, "serial", a.cpu_workers,
+            kernels=a.pipeline_kernels)
+    for model, batch in configs if not a.skip_ipm else ():  # phase 3: ipm sharing the GPU
+        if str(batch) not in a.ipm_batches.split(","):
+            continue
+        for k in (int(r) for r in a.replicas.split(",")):
+            for variant in a.variants.split(","):
+                run(f"{model}@b{batch}", f"ipm{k}-{variant}", bench_pipeline, model, batch,
+                    a.rounds + 2, a.ipm_mix_every, k, variant, a.cpu_workers,
+                    kernels=a.pipeline_kernels)
+    ratios = {key: _ratios(row, a.pipeline_kernels) for key, row in figures.items()}
     print(f"{'config':22}{'run':22}{'img/s':>10}{'GPU %':>8}{'kernel/step':>13}")
     for key, row in figures.items():
         for name, fig in row.items():
             frac = fig.get("kernel_fraction")
-            print(f"{key:22}{name:22}{fig['img_s']:10.1f}{fig['gpu_util'] or 0:8.1f}"
+            print(f"{key:22}{name:22}{fig.get('img_s') or 0:10.1f}{fig.get('gpu_util') or 0:8.1f}"
                   f"{'' if frac is None else f'{frac:13.2f}'}")
-    emit({"bench": "gpu", "device": compat.cuda_summary(), "img_s": figures, "ratios": ratios,
-          "min_single_over_chainer": min(r["single_over_chainer"] for r in ratios.values())})
+        print(key, ratios[key], flush=True)
+    singles = [r["single_over_chainer"] for r in ratios.values() if "single_over_chainer" in r]
+    frontend = "loaded" if graphs.load() is not None else graphs.unavailable_reason()
+    emit({"bench": "gpu", "device": compat.cuda_summary(), "cudnn_frontend": frontend,
+          "cudnn_graphs": dict(graphs.stats),
+          "pipeline_kernels": a.pipeline_kernels, "img_s": figures, "ratios": ratios,
+          "min_single_over_chainer": min(singles) if singles else None})
 
 
 if __name__ == "__main__":

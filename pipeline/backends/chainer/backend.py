@@ -14,6 +14,7 @@ import augment
 from pipeline.backends import State, StepStats
 from pipeline.backends.chainer import compat
 from pipeline.backends.chainer.compat import F, chainer
+from pipeline.backends.chainer.gpu_kernels import fused_update
 from pipeline.backends.chainer.state import (cached_model, get_optimizer_state, get_state,
                                              load_npz, make_optimizer, param_keys, set_lr,
                                              set_optimizer_state, set_state, setup_optimizer)
@@ -117,7 +118,7 @@ def _steps(model, optimizer, images, labels, spec, rng) -> tuple:
         model.cleargrads()
         loss.backward()
         set_lr(optimizer, lr)
-        optimizer.update()
+        fused_update.update(optimizer)  # one kernel on CuPy, Chainer's update otherwise
         batch_loss = loss.array.astype(np.float64) * len(t)
         batch_correct = (logits.array.argmax(axis=1) == t).sum()
         loss_sum = batch_loss if loss_sum is None else loss_sum + batch_loss
@@ -192,7 +193,7 @@ class ChainerBackend:
         trainable = set(param_keys(model))
         for path, param in model.namedparams():  # a copy: weight decay adds into the grad
             param.grad = _to_device(np.array(gradient[path.lstrip("/")]), spec.device)
-        optimizer.update()
+        fused_update.update(optimizer)
         new_params = get_state(model)
         for key, value in gradient.items():  # BatchNorm statistics: the gradient's
             if key not in trainable and np.issubdtype(value.dtype, np.floating):

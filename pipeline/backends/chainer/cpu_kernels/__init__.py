@@ -1,11 +1,13 @@
-"""Fast CPU kernels for the layers our models use, chosen per array: ours on NumPy, Chainer's elsewhere.
+"""Fast CPU kernels for the layers our models use, chosen per array: ours on NumPy, cuDNN on CuPy, else Chainer's.
 
 ``Convolution2D`` and ``BatchNormalization`` (Chainer's Links, same parameters and paths) and
 the pooling functions below run the pure-NumPy FunctionNodes of ``cpu_kernels.functions`` when
-the input is a NumPy array and ``chainer.config.cpu_kernels`` is ``"ours"`` (the default), and
-Chainer's own functions on CuPy (and ChainerX/iDeep) arrays or when it is ``"chainer"``. The switch
-is a Chainer config entry, like Chainer's own ``use_cudnn``/``use_ideep``: a task sets it with
-``chainer.using_config("cpu_kernels", spec.cpu_kernels)``.
+the input is a NumPy array and ``chainer.config.cpu_kernels`` is ``"ours"`` (the default). On
+float32 CuPy arrays the two Links run cuDNN graphs (``pipeline.backends.chainer.gpu_kernels``)
+while ``chainer.config.gpu_kernels`` is ``"cudnn"`` and the cuDNN frontend is installed; anything
+else (ChainerX/iDeep arrays, ``"chainer"``, a shape cuDNN cannot run) goes to Chainer's own
+functions. The switches are Chainer config entries, like Chainer's own ``use_cudnn``/``use_ideep``:
+a task sets ``chainer.using_config("cpu_kernels", spec.cpu_kernels)``.
 
 >>> import numpy as np
 >>> x = np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4)
@@ -18,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.backends.chainer.compat import F, L, chainer
+from pipeline.backends.chainer import gpu_kernels
 from pipeline.backends.chainer.cpu_kernels import functions
 
 def use_ours(x) -> bool:
@@ -30,10 +33,16 @@ class Convolution2D(L.Convolution2D):
     """``L.Convolution2D`` that runs our kernel on NumPy inputs (same parameters, same paths)."""
 
     def forward(self, x):
-        if (not use_ours(x) or self.W.array is None or self.dilate != (1, 1) or self.groups != 1
+        if (self.W.array is None or self.dilate != (1, 1) or self.groups != 1
                 or self.W.dtype != x.dtype or (self.b is not None and self.b.dtype != x.dtype)):
             return super().forward(x)
-        return functions.convolution_2d(x, self.W, self.b, self.stride, self.pad)
+        if use_ours(x):
+            return functions.convolution_2d(x, self.W, self.b, self.stride, self.pad)
+        if gpu_kernels.use_cudnn(x):
+            y = gpu_kernels.convolution_2d(x, self.W, self.b, self.stride, self.pad)
+            if y is not None:
+                return y
+        return super().forward(x)
 
 
 class BatchNormalization(L.BatchNormalization):
@@ -45,10 +54,28 @@ class BatchNormalization(L.BatchNormalization):
     """
 
     def forward(self, x, **kwargs):
-        if (kwargs or not use_ours(x) or x.ndim != 4 or self.axis is not None
+        if (kwargs or x.ndim != 4 or self.axis is not None
                 or self.avg_mean is None or self.gamma is None or self.beta is None
                 or self.gamma.dtype != x.dtype or chainer.config.in_recomputing):
             return super().forward(x, **kwargs)
+        if use_ours(x):
+            return self._ours(x)
+        if gpu_kernels.use_cudnn(x):
+            y = self._cudnn(x)
+            if y is not None:
+                return y
+        return super().forward(x)
+
+    def _cudnn(self, x):
+        if chainer.config.train:
+            return gpu_kernels.batch_normalization(x, self.gamma, self.beta, self.eps,
+                                                   self.avg_mean, self.avg_var, self.decay)
+        if not chainer.config.enable_backprop:
+            return gpu_kernels.fixed_batch_normalization(x, self.gamma, self.beta,
+                                                         self.avg_mean, self.avg_var, self.eps)
+        return None
+
+    def _ours(self, x):
         if chainer.config.train:
             return functions.batch_normalization(x, self.gamma, self.beta, self.eps,
                                                  self.avg_mean, self.avg_var, self.decay)
