@@ -201,13 +201,16 @@ def _dtype(cudnn, name: str):
 def _finish(cudnn, graph, key: Key) -> int:
     graph.validate()
     graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     # Same bits run to run (the project's byte-identical promise): no engines that add with
-    # atomics. Strict FP32 unless CUPY_TF32=1.
-    notes = [cudnn.numerical_note.NONDETERMINISTIC]
+    # atomics, none that reduce in less than FP32. Strict FP32 unless CUPY_TF32=1. The filter
+    # acts on the plans there are, so it comes after create_execution_plans (before it, it
+    # filtered nothing: the H200 run chose TF32 and nondeterministic engines).
+    notes = [cudnn.numerical_note.NONDETERMINISTIC,
+             cudnn.numerical_note.REDUCED_PRECISION_REDUCTION]
     if not key.tf32:
         notes.append(cudnn.numerical_note.TENSOR_CORE)
     graph.deselect_numeric_notes(notes)
-    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     graph.check_support()
     graph.build_plans(cudnn.build_plan_policy.HEURISTICS_CHOICE)
     return int(graph.get_workspace_size())
