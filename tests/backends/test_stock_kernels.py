@@ -204,3 +204,53 @@ def test_our_nets_give_the_same_bits_with_the_dispatchers_installed(name):
     assert before[2].keys() == after[2].keys()
     for path in before[2]:
         assert before[2][path].tobytes() == after[2][path].tobytes(), path
+
+
+# ---- Adam by slices (cpu_kernels.optimizers) ------------------------------------------------
+
+def _adam_run(shape, dtype, kwargs, alpha=None, transpose=False, steps=3):
+    """A few Adam steps on one parameter -> (parameter bytes, m bytes, v bytes)."""
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal(shape).astype(dtype)
+    link = chainer.Link()
+    with link.init_scope():
+        link.w = chainer.Parameter(w.T if transpose else w)
+    optimizer = chainer.optimizers.Adam(**kwargs)
+    optimizer.setup(link)
+    for step in range(steps):
+        if alpha is not None:
+            optimizer.alpha = alpha  # as the backend's set_lr does, possibly a NumPy scalar
+        g = rng.standard_normal(shape).astype(dtype) * (step + 1)
+        link.w.grad = g.T if transpose else g
+        optimizer.update()
+    state = link.w.update_rule.state
+    return [np.asarray(a).tobytes() for a in (link.w.array, state["m"], state["v"])]
+
+
+@pytest.mark.parametrize("shape, dtype, kwargs, alpha, transpose", [
+    ((1000, 37), np.float32, {}, None, False),  # several slices, the last one short
+    ((1000, 37), np.float32, {}, np.float64(3e-3), False),  # a float64 scalar: float64 steps
+    ((5,), np.float64, {"weight_decay_rate": 0.1, "eta": 0.5}, 2e-3, False),
+    ((300, 41), np.float32, {"amsgrad": True}, None, False),  # Chainer's own
+    ((300, 41), np.float32, {}, None, True),  # not C-contiguous: Chainer's own
+])
+def test_adam_by_slices_gives_chainers_bits(monkeypatch, shape, dtype, kwargs, alpha, transpose):
+    from pipeline.backends.chainer.cpu_kernels import optimizers
+    monkeypatch.setattr(optimizers, "CHUNK", 4096)
+    chainers = []
+    original = optimizers.ORIGINAL
+    monkeypatch.setattr(optimizers, "ORIGINAL", lambda *a: chainers.append(1) or original(*a))
+    was = stock.installed()
+    try:
+        stock.uninstall()
+        theirs = _adam_run(shape, dtype, kwargs, alpha, transpose)
+        stock.install()
+        chainers.clear()
+        ours = _adam_run(shape, dtype, kwargs, alpha, transpose)
+        assert bool(chainers) == (kwargs.get("amsgrad", False) or transpose)
+        with chainer.using_config("cpu_kernels", "chainer"):
+            switched_off = _adam_run(shape, dtype, kwargs, alpha, transpose)
+    finally:
+        monkeypatch.setattr(optimizers, "ORIGINAL", original)
+        (stock.install if was else stock.uninstall)()
+    assert ours == theirs == switched_off

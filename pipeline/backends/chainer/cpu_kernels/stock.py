@@ -10,6 +10,8 @@ Chainer does (a NumPy float32/float64 input, ``chainer.config.cpu_kernels == "ou
 default memory layout, dilation 1, one group, no ``cover_all`` convolution, no
 ``return_indices``, ...) and Chainer's own function otherwise, with the same arguments. Our
 own nets call ``cpu_kernels.functions`` directly, so installing changes none of their bits.
+``install()`` also puts ``cpu_kernels.optimizers``' Adam update (the same bits, by slices) on
+Chainer's ``AdamRule``.
 
 What a stock net gives up on our kernels: double backprop (our FunctionNodes raise; set
 ``cpu_kernels`` to ``"chainer"``), and Chainer's ``FixedBatchNormalization`` runs whenever a
@@ -32,7 +34,7 @@ import threading
 import numpy as np
 
 from pipeline.backends.chainer.compat import chainer
-from pipeline.backends.chainer.cpu_kernels import functions, use_ours
+from pipeline.backends.chainer.cpu_kernels import functions, optimizers, use_ours
 
 # name -> the modules whose attribute of that name Chainer's links or users call through
 _HOMES = {
@@ -133,6 +135,7 @@ def install() -> None:
         for name, homes in _HOMES.items():
             for home in homes:
                 setattr(importlib.import_module(home), name, DISPATCHERS[name])
+        optimizers.install()
 
 
 def uninstall() -> None:
@@ -141,6 +144,7 @@ def uninstall() -> None:
         for name, homes in _HOMES.items():
             for home in homes:
                 setattr(importlib.import_module(home), name, ORIGINAL[name])
+        optimizers.uninstall()
 
 
 def installed() -> bool:
