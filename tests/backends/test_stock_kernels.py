@@ -120,7 +120,8 @@ def test_fallbacks_give_chainers_nodes(installed):
         F.convolution_2d(x.astype(np.float16), w.astype(np.float16)),
         F.max_pooling_2d(x, 2, return_indices=True)[0],
         F.batch_normalization(x[:, :, 0], gamma, beta),  # 3-D input
-        F.batch_normalization(x.reshape(2, 2, 36), gamma, beta),
+        F.batch_normalization(x, np.ones((2, 6), np.float32), np.zeros((2, 6), np.float32),
+                              axis=(0, 3)),  # other axes
         F.fixed_batch_normalization(x, gamma, beta, beta, gamma),  # a graph is being built
     ]
     with chainer.using_config("cpu_kernels", "chainer"):
