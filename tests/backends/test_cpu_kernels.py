@@ -11,6 +11,8 @@ from pipeline.backends.chainer.cpu_kernels import functions as K
 from pipeline.backends.chainer.models import MODELS, build_model
 from pipeline.data.readers import Shard
 
+# Chainer's functions are the reference here, not our dispatchers
+pytestmark = pytest.mark.usefixtures("chainers_own_functions")
 EXAMPLES = settings(max_examples=60, deadline=None, derandomize=True, database=None)
 
 

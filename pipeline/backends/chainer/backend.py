@@ -14,6 +14,7 @@ import augment
 from pipeline.backends import State, StepStats
 from pipeline.backends.chainer import compat
 from pipeline.backends.chainer.compat import F, chainer
+from pipeline.backends.chainer.cpu_kernels import stock as stock_kernels
 from pipeline.backends.chainer.gpu_kernels import fused_update
 from pipeline.backends.chainer.state import (cached_model, get_optimizer_state, get_state,
                                              load_npz, make_optimizer, param_keys, set_lr,
@@ -88,6 +89,8 @@ def _mode(train: bool, kernels: str = "ours"):
 
 
 def _model(spec, params: State):
+    # a model built from Chainer's stock links and functions runs our CPU kernels too
+    stock_kernels.install()
     return set_state(cached_model(spec.model, spec.n_classes, chainer_device(spec.device)), params)
 
 
@@ -148,6 +151,7 @@ class ChainerBackend:
 
     def to_model(self, model: str, n_classes: int, params: State):
         from pipeline.backends.chainer.models import build_model
+        stock_kernels.install()
         return set_state(build_model(model, n_classes), params)
 
     def load_weights(self, model: str, n_classes: int, path: str) -> State:
