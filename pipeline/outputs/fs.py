@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.core.errors import OutputError, ResumeError, UsageError
-from pipeline.core.files import MIB, open_regular, os_reason, read_text
+from pipeline.core.files import MIB, open_append, open_regular, os_reason, read_text
 
 MARKER = ".dask-chainer-run"
 PREVIOUS = ".previous-run"  # an overwritten run, kept until the new one has a checkpoint
@@ -197,9 +197,7 @@ def dumps(value, **kwargs) -> str:
 def append_lines(path: Path, lines: list[dict]) -> None:
     """Append JSON lines (one write per whole line); OutputError if it cannot."""
     try:  # never through a symbolic link: the lines go into this directory or nowhere
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0),
-                     0o666)  # the umask applies, as for every output
-        with os.fdopen(fd, "a") as f:
+        with open_append(path, OutputError) as f:
             for line in lines:
                 f.write(dumps(line) + "\n")
     except OSError as exc:

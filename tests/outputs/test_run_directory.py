@@ -445,3 +445,25 @@ def test_synth_never_replaces_a_file(tmp_path, capsys):
     assert "already exists; writing a dataset never replaces files" in _one_error_line(
         capsys.readouterr().err)
     assert _files(tmp_path) == before
+
+
+# --- hostile input, round three: nothing a run writes leaves OUT --------------------------------
+
+
+@pytest.mark.parametrize("name", ["tensorboard", "dashboard.log", "metrics.csv", "checkpoints"])
+def test_a_link_in_the_run_directory_is_refused_before_anything_is_written(run_copy, tmp_path,
+                                                                          scheduler, capsys, name):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    target = elsewhere / name
+    if name == "checkpoints":
+        shutil.move(run_copy / name, target)
+    os.symlink(target, run_copy / name)
+    before = _files(run_copy)
+    assert main(["train", "--resume", str(run_copy), "--epochs", "2", "--tensorboard", "--csv",
+                 "--scheduler", scheduler]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line == (f"error: {run_copy / name}: is a symbolic link; a run writes only inside its "
+                    "directory (remove the link)")
+    assert _files(run_copy) == before
+    assert not target.exists() or name == "checkpoints"
