@@ -123,7 +123,10 @@ def _run(client, out: outputs.RunDir, log, prep: Prepared, stop, resume: bool, o
 
 
 def _stop_before_start(stop, anchor: HostState, out: outputs.RunDir) -> None:
-    """A stop asked for during set-up: nothing ran, nothing is written."""
+    """A stop asked for during set-up: nothing ran, nothing is written. From here a signal
+    only asks the loop to stop at its next round boundary."""
+    if stop is not None:
+        stop.in_setup = False
     if stop is not None and stop.requested:
         where = (f"; resume: python -m pipeline train --resume {out.path}"
                  if anchor.round >= 0 else "; nothing was written")
