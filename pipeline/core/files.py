@@ -106,9 +106,12 @@ def read_capped(path: str | os.PathLike, limit: int, what: str,
     ``what`` names the format in the message ("a CIFAR batch file").
     """
     with open_regular(path, error) as f:
-        check_size(path, size_of(f), limit, what, error)
-        try:
-            data = f.read(limit + 1)
+        size = size_of(f)
+        check_size(path, size, limit, what, error)
+        try:  # read(limit + 1) would reserve the whole limit (256 MiB for an image) at once
+            data = f.read(size + 1)
+            if len(data) > size:  # grown since, or a file that reports no size (/proc)
+                data += f.read(limit + 1 - len(data))
         except OSError as exc:
             raise error(f"{os.fspath(path)}: cannot read the file ({os_reason(exc)})") from None
     check_size(path, len(data), limit, what, error)
