@@ -80,13 +80,14 @@ class RunDir:
             return
         rundir.append_lines(self.path / name, lines)
 
-    def truncate(self, name: str, keep) -> list[dict]:
+    def truncate(self, name: str, keep, records: int = 1 << 20) -> list[dict]:
         """Keep the lines of ``name`` for which ``keep(line)`` holds, up to a torn last line;
-        rewrite the file atomically. Returns the kept lines."""
+        rewrite the file atomically. Returns the kept lines. ``records``: how many lines the
+        run can have written (bounds the read: ``fs.lines_limit``)."""
         path = self.path / name
         if not path.exists():
             return []
-        kept = rundir.read_lines(path, keep, self.log)  # a torn or garbled line is skipped
+        kept = rundir.read_lines(path, keep, self.log, records)  # a garbled line is skipped
         checkpoint.write_atomic(path, "".join(rundir.dumps(x) + "\n" for x in kept))
         return kept
 

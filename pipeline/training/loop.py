@@ -100,7 +100,8 @@ def _already_complete(config: Config, out, prep: Prepared, log) -> TrainOutput:
     log(f"{out} is complete: {len(prep.rounds)} rounds, {epochs:g} epochs; to train it longer "
         f"give more epochs: --resume {out} --epochs {epochs * 2:g}")
     path = Path(out) / "metrics.jsonl"  # a torn or garbled line is skipped
-    history = rundir.read_metrics(path, last_round=1 << 62) if path.exists() else []
+    history = (rundir.read_metrics(path, last_round=1 << 62, rounds=len(prep.rounds))
+               if path.exists() else [])
     params = {k: v for k, v in prep.state.params[0].items() if not k.startswith("opt/")}
     model = get_backend().to_model(config.model.name, prep.dataset.n_classes, params)
     return TrainOutput(history, model, params, str(out), config, status="complete")
@@ -116,7 +117,8 @@ def _run(client, out: outputs.RunDir, log, prep: Prepared, stop, resume: bool, o
     anchor = prep.state or setup.strategy(setup.ctx, setup.graph).initial_state(setup.initial)
     _stop_before_start(stop, anchor, out)
     out.create(resume, overwrite)
-    history = out.truncate("metrics.jsonl", lambda x: x["round"] <= anchor.round) if resume else []
+    history = (out.truncate("metrics.jsonl", lambda x: x["round"] <= anchor.round,
+                            records=len(prep.rounds)) if resume else [])
     schedule = Schedule.of(config, len(prep.rounds), saves=bool(out))
     extensions = standard(config, out, schedule, **extra)
     return _Loop(client, setup, out, log, stop, schedule, extensions, history, anchor).run()

@@ -467,3 +467,22 @@ def test_a_link_in_the_run_directory_is_refused_before_anything_is_written(run_c
                     "directory (remove the link)")
     assert _files(run_copy) == before
     assert not target.exists() or name == "checkpoints"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("make", ["sparse", "empty lines"])
+def test_a_huge_or_sparse_metrics_file_is_refused_on_resume_without_reading_it(run_copy, scheduler,
+                                                                              capsys, make):
+    path = run_copy / "metrics.jsonl"
+    if make == "sparse":
+        with open(path, "r+b") as f:
+            f.truncate(1 << 40)  # a terabyte of holes after the real lines
+    else:
+        path.write_bytes(path.read_bytes() + b"\n" * 10_000_000)
+    size = path.stat().st_size
+    assert main(["train", "--resume", str(run_copy), "--epochs", "2", "--scheduler",
+                 scheduler]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    # the resumed plan has 4 rounds: 1 MiB + 4 x 64 KiB
+    assert line == (f"error: {path}: {size} bytes is more than a run's log of 4 records can "
+                    f"hold (at most {rundir.lines_limit(4)} bytes)")

@@ -252,7 +252,8 @@ class Async(Strategy):
             self.order = fixed_order(self.K, self.total)
         if out:  # the log holds what made the state: drop updates past the anchor
             kept = (anchor.round + 1) * self.K
-            out.truncate(UPDATES, lambda x: "position" not in x or x["position"] < kept)
+            out.truncate(UPDATES, lambda x: "position" not in x or x["position"] < kept,
+                         records=self.total + len(self.rounds_))  # updates, replay events
             if replay:
                 out.append(UPDATES, [dict(event="replay", from_round=anchor.round + 1,
                                           from_position=kept, order=self.acfg.order)])
