@@ -486,3 +486,32 @@ def test_a_huge_or_sparse_metrics_file_is_refused_on_resume_without_reading_it(r
     # the resumed plan has 4 rounds: 1 MiB + 4 x 64 KiB
     assert line == (f"error: {path}: {size} bytes is more than a run's log of 4 records can "
                     f"hold (at most {rundir.lines_limit(4)} bytes)")
+
+
+@pytest.mark.timeout(120)
+def test_a_deflate_bomb_state_is_refused_before_it_is_inflated(run_copy, scheduler, capsys):
+    """A state.npz whose extra member inflates to 256 MB from ~250 KB (checksums recomputed):
+    refused from the sizes the archive declares, against what the model and K can hold."""
+    import tracemalloc
+    for ckpt in (run_copy / "checkpoints").iterdir():
+        flat = npz.read(ckpt / "state.npz")
+        flat["outer/zeros"] = np.zeros(1 << 28, np.uint8)
+        np.savez_compressed(ckpt / "state.npz", **flat)
+        del flat
+        meta = _meta(ckpt)
+        meta["sha256"]["state.npz"] = checkpoint.sha256(ckpt / "state.npz")
+        meta["checksum"] = checkpoint.meta_checksum(meta)
+        (ckpt / "meta.json").write_text(json.dumps(meta))
+        assert (ckpt / "state.npz").stat().st_size < 2_000_000
+    tracemalloc.start()
+    try:
+        assert main(["train", "--resume", str(run_copy), "--epochs", "2", "--scheduler",
+                     scheduler]) == 2
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    err = capsys.readouterr().err
+    assert "more than a checkpoint of small-cnn with 2 replica(s) holds (at most " in err
+    assert "refused before inflating any" in err
+    assert "no readable checkpoint" in _one_error_line(err)
+    assert peak < 64 << 20, peak
