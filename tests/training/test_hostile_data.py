@@ -81,10 +81,28 @@ def _nested(root: Path, depth: int) -> Path:
     return root
 
 
+def _remove_nested(folder: Path) -> None:
+    """Undo :func:`_nested` without recursion (``shutil.rmtree`` of Python 3.11 recurses, and
+    pytest's clean-up of old temporary directories would overflow on it)."""
+    fds = [os.open(folder, os.O_RDONLY)]  # noqa: SIM115
+    while True:
+        try:
+            fds.append(os.open("a", os.O_RDONLY, dir_fd=fds[-1]))
+        except FileNotFoundError:
+            break
+    fds.pop()
+    while fds:
+        os.rmdir("a", dir_fd=fds[-1])
+        os.close(fds.pop())
+
+
 def test_a_class_folder_nested_1200_deep_is_listed(good, tmp_path):
     root = Path(shutil.copytree(good, tmp_path / "data"))
-    _nested(root / "class_0", 1200)
-    listing = imagefolder.list_folder(str(root))
+    try:
+        _nested(root / "class_0", 1200)
+        listing = imagefolder.list_folder(str(root))
+    finally:
+        _remove_nested(root / "class_0")
     assert len(listing.files) == 16
 
 
