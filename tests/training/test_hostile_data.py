@@ -90,7 +90,7 @@ def _remove_nested(folder: Path) -> None:
             fds.append(os.open("a", os.O_RDONLY, dir_fd=fds[-1]))
         except FileNotFoundError:
             break
-    fds.pop()
+    os.close(fds.pop())  # the deepest: nothing below it
     while fds:
         os.rmdir("a", dir_fd=fds[-1])
         os.close(fds.pop())

@@ -1,0 +1,43 @@
+"""Cluster options a machine cannot honour, round three: one line naming the option, before any
+process starts, nothing written."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pipeline.cli.parser import main
+from pipeline.cluster import connection
+
+ARGS = ["--data", "synthetic:64:16", "--model", "small-cnn", "--batch-size", "8", "--replicas",
+        "2", "--epochs", "0.1", "--no-progress"]
+
+
+def test_capacity_counts_cores_and_memory():
+    assert connection.capacity(2, 64 << 30) == 8  # cores bound it
+    assert connection.capacity(64, 1 << 30) == 4  # memory bounds it
+    assert connection.capacity(1, 0) == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, expected", [
+    (["--workers", "1024"], "error: cluster.workers: 1024 worker processes are more than this "
+                            "machine holds: "),
+    (["--scheduler", "ucx://127.0.0.1:1", "--connect-timeout", "3"],
+     "error: scheduler ucx://127.0.0.1:1: UCX is not installed here (ucx-py or "
+     "distributed-ucxx); connect with tcp:// or tls:// instead"),
+    (["--workers", "1", "--dashboard-address", "nosuchhost.invalid:8787"],
+     "error: cluster.dashboard_address nosuchhost.invalid:8787: cannot resolve host "
+     "'nosuchhost.invalid' ("),
+])
+def test_what_the_machine_cannot_do_is_one_line_before_anything_starts(tmp_path, capsys, args,
+                                                                      expected):
+    pytest.importorskip("psutil")
+    if "ucx" in args[1] and connection.has_ucx():
+        pytest.skip("UCX is installed here")
+    start = time.monotonic()
+    assert main(["train", *ARGS, *args, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(expected), err
+    assert time.monotonic() - start < 30
+    assert not (tmp_path / "out").exists()
