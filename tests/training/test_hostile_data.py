@@ -127,3 +127,22 @@ def test_an_out_inside_the_image_folder_is_not_read_as_a_class(good, tmp_path, d
     assert main(["train", *args, "--epochs", "0.5", "--out", str(out)]) == 0
     assert main(["train", "--resume", str(out), "--epochs", "1", "--scheduler",
                  dask_client.scheduler.address]) == 0, capsys.readouterr().err
+
+
+def test_a_task_out_of_memory_names_the_options_that_size_it(tmp_path, capsys, scheduler,  # noqa: F811
+                                                             monkeypatch):
+    """What --image-size 1024 on resnet20 did on a small worker: MemoryError inside the train
+    task. Now one line naming --image-size and --batch-size, exit 2, no traceback."""
+    from pipeline.backends.chainer.backend import ChainerBackend
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError()
+    monkeypatch.setattr(ChainerBackend, "train_steps", no_memory)
+    assert main(["train", "--data", "synthetic:64:16", "--model", "small-cnn", "--strategy",
+                 "single", "--batch-size", "8", "--epochs", "0.5", "--no-progress",
+                 "--scheduler", scheduler, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "MemoryError" not in err, err
+    assert err.strip().splitlines()[-1] == (
+        "error: out of memory in a task of small-cnn on 32x32 images, batch 8: lower "
+        "--image-size or --batch-size (or give the workers more memory)"), err
