@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 
 from pipeline.backends import get_backend
 from pipeline.core.config import Config
-from pipeline.core.errors import DivergenceError, Interrupted, one_line
+from pipeline.core.errors import ClusterError, DivergenceError, Interrupted, one_line
 from pipeline.outputs import fs as rundir
 from pipeline.outputs import resume as resuming
 from pipeline.outputs import run_dir as outputs
@@ -230,6 +230,8 @@ class _Loop:
         rnd, strategy = pending.rnd, attempt.strategy
         metrics = attempt.graph.gather(pending.metrics)  # the watchdog looks while it waits
         evals = attempt.graph.gather(pending.evals) if pending.evals else []
+        _check_results(attempt.graph, (("train", pending.metrics, metrics),
+                                       ("evaluate", pending.evals, evals)))
         for stage, results in (("train", metrics), ("evaluate", evals)):
             for m in results:
                 if isinstance(m.get("seconds"), (int, float)):
@@ -306,6 +308,30 @@ class _Loop:
         self.out.finish(params, self.history, len(self.rounds), curve_labels(info))
         path = self.out.path
         return TrainOutput(self.history, model, params, str(path) if path else None, self.config)
+
+
+def _check_results(graph, stages) -> None:
+    """ClusterError naming the worker and what it returned when a task's result is not the
+    metrics dict our task functions return (``metrics.result_problem``), before any is used."""
+    from pipeline.outputs.metrics import result_problem
+    for stage, futures, results in stages:
+        if not isinstance(results, (list, tuple)):
+            results = [results]
+        for future, value in zip(futures, results):
+            problem = result_problem(value, stage)
+            if problem:
+                raise ClusterError(f"worker {_holder(graph, future)} returned {problem} for "
+                                   f"{stage} task {getattr(future, 'key', '?')} (a worker of "
+                                   "another version of this pipeline?)")
+
+
+def _holder(graph, future) -> str:
+    """The worker holding ``future``'s result, or '?'."""
+    try:
+        held = graph.client.who_has([future]).get(future.key) or ["?"]
+        return ", ".join(map(str, held))
+    except Exception:  # noqa: BLE001  only for a message: never replace the error we report
+        return "?"
 
 
 def _check_updates(metrics: list, rnd) -> None:

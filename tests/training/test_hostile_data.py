@@ -146,3 +146,24 @@ def test_a_task_out_of_memory_names_the_options_that_size_it(tmp_path, capsys, s
     assert err.strip().splitlines()[-1] == (
         "error: out of memory in a task of small-cnn on 32x32 images, batch 8: lower "
         "--image-size or --batch-size (or give the workers more memory)"), err
+
+
+def test_a_worker_result_of_the_wrong_form_is_one_line_naming_the_worker(tmp_path, capsys,
+                                                                        scheduler, monkeypatch):  # noqa: F811
+    """A worker of another version (or a hostile one) returning metrics the driver cannot use:
+    one line naming the worker and what it returned, never a KeyError."""
+    from pipeline.backends.chainer.backend import ChainerBackend
+    real = ChainerBackend.train_steps
+
+    def other_version(self, *args, **kwargs):
+        params, opt, stats = real(self, *args, **kwargs)
+        return params, opt, stats._replace(n=str(stats.n))
+    monkeypatch.setattr(ChainerBackend, "train_steps", other_version)
+    assert main(["train", "--data", "synthetic:64:16", "--model", "small-cnn", "--strategy",
+                 "single", "--batch-size", "8", "--epochs", "0.5", "--no-progress",
+                 "--scheduler", scheduler, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and "KeyError" not in err, err
+    assert last.startswith("error: worker inproc://") and " returned 'n' of type str (expected " \
+        "int) for train task " in last, last
