@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
 from pipeline.cli.parser import main
@@ -41,3 +42,22 @@ def test_what_the_machine_cannot_do_is_one_line_before_anything_starts(tmp_path,
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(expected), err
     assert time.monotonic() - start < 30
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_scatter_to_a_retired_worker_is_lost_work_not_a_key_error(dask_client):
+    """The watchdog retired a worker after this attempt placed a replica on it; the next
+    scatter to it fails in the scheduler with KeyError. Now lost work: recovery replays."""
+    from pipeline.training import recovery
+    from pipeline.training.graph import RoundGraph
+    with pytest.raises(KeyError):  # what distributed does
+        dask_client.scatter([1], workers=["tcp://127.0.0.1:1"], hash=False)
+    graph = object.__new__(RoundGraph)
+    graph.client = dask_client
+    graph._home = lambda replica: "tcp://127.0.0.1:1"
+    with pytest.raises(ConnectionError, match=r"scatter to \['tcp://127.0.0.1:1'\]: the worker "
+                                              r"is gone") as err:
+        graph.scatter_many([np.zeros(3)], replica=0)
+    decision = recovery.decide(err.value, recovery.ClusterState(True), 0, where="",
+                               stopped_in=0)
+    assert isinstance(decision, recovery.Replay)
