@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import subprocess
 import time
 import warnings
@@ -35,6 +36,24 @@ class Roles(NamedTuple):
     train: str = "TRAIN"
 
 
+TLS_FILE_BYTES = 1 << 20  # a PEM certificate chain or key is a few KiB
+
+
+def _check_tls_file(path: str, field: str) -> None:
+    """ClusterError unless ``path`` is a regular file of at most 1 MiB: the ssl module reads it
+    with a plain open (a FIFO would block it forever, a sparse terabyte take hours)."""
+    from pipeline.core.files import describe
+    try:
+        st = os.stat(path)
+    except OSError:
+        raise ClusterError(f"{field}: no such file {path!r}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ClusterError(f"{field}: {path!r} is {describe(st.st_mode)}, expected a regular file")
+    if st.st_size > TLS_FILE_BYTES:
+        raise ClusterError(f"{field}: {path!r} holds {st.st_size} bytes, more than a PEM file "
+                           f"(at most {TLS_FILE_BYTES})")
+
+
 def security_from(cfg: ClusterConfig) -> Security | None:
     """The client's TLS `Security` from the cluster section, or None when no TLS file is given.
 
@@ -55,8 +74,7 @@ def security_from(cfg: ClusterConfig) -> Security | None:
         path = paths[name]
         if not path:
             raise ClusterError(f"cluster.{name} ({flag}) is required with the other TLS files")
-        if not os.path.isfile(path):
-            raise ClusterError(f"cluster.{name} ({flag}): no such file {path!r}")
+        _check_tls_file(path, f"cluster.{name} ({flag})")
     return Security(tls_ca_file=paths["tls_ca_file"], tls_client_cert=paths["tls_cert"],
                     tls_client_key=paths["tls_key"], require_encryption=True)
 

@@ -61,3 +61,25 @@ def test_a_scatter_to_a_retired_worker_is_lost_work_not_a_key_error(dask_client)
     decision = recovery.decide(err.value, recovery.ClusterState(True), 0, where="",
                                stopped_in=0)
     assert isinstance(decision, recovery.Replay)
+
+
+@pytest.mark.timeout(30)
+def test_tls_files_that_would_block_or_never_end_are_refused(tmp_path):
+    """The ssl module opens TLS files plainly: a FIFO would block it, a sparse file be read."""
+    import os
+    from pipeline.core.config import ClusterConfig
+    from pipeline.core.errors import ClusterError
+    os.mkfifo(tmp_path / "ca.pem")
+    with open(tmp_path / "cert.pem", "wb") as f:
+        f.truncate(1 << 40)
+    (tmp_path / "key.pem").write_text("key")
+    cfg = ClusterConfig(tls_ca_file=str(tmp_path / "ca.pem"), tls_cert=str(tmp_path / "cert.pem"),
+                        tls_key=str(tmp_path / "key.pem"))
+    with pytest.raises(ClusterError, match=r"cluster.tls_ca_file \(--tls-ca-file\): '.*ca.pem' is "
+                                           r"a FIFO \(named pipe\), expected a regular file"):
+        connection.security_from(cfg)
+    os.unlink(tmp_path / "ca.pem")
+    (tmp_path / "ca.pem").write_text("ca")
+    with pytest.raises(ClusterError, match=r"cluster.tls_cert \(--tls-cert\): '.*cert.pem' holds "
+                                           r"1099511627776 bytes, more than a PEM file"):
+        connection.security_from(cfg)
