@@ -515,3 +515,26 @@ def test_a_deflate_bomb_state_is_refused_before_it_is_inflated(run_copy, schedul
     assert "refused before inflating any" in err
     assert "no readable checkpoint" in _one_error_line(err)
     assert peak < 64 << 20, peak
+
+
+@pytest.mark.timeout(120)
+def test_a_full_disk_under_tensorboard_ends_the_run_with_one_line(tmp_path, capsys, scheduler,
+                                                                 monkeypatch):
+    """tensorboardX's writer thread meets ENOSPC after its first events: the run ends with one
+    line and exit 2 (it used to block forever in add_scalar), no replay, no traceback."""
+    from tensorboardX import event_file_writer
+    real, written = event_file_writer.EventsWriter.write_event, []
+
+    def full(self, event):
+        written.append(event)
+        if len(written) > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, event)
+    monkeypatch.setattr(event_file_writer.EventsWriter, "write_event", full)
+    out = tmp_path / "out"
+    assert _train("--out", str(out), "--tensorboard", "--epochs", "4",
+                  scheduler=scheduler) == 2
+    err = capsys.readouterr().err
+    assert _one_error_line(err) == (f"error: cannot write {out / 'tensorboard'}: No space left "
+                                    "on device")
+    assert "lost work" not in err and "Exception in thread" not in err
