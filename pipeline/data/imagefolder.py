@@ -528,10 +528,15 @@ def decode_chunk(chunk: DecodeChunk) -> tuple[np.ndarray, np.ndarray]:
     (`augment.center_crop`): torchvision's Resize + CenterCrop, one resampling.
     """
     import augment
-    outer = max(chunk.size, int(round(chunk.size / chunk.crop)))
-    images = np.empty((chunk.n, 3, outer, outer), np.uint8)
-    for i, f in enumerate(chunk.files):
-        images[i] = decode_file(f, outer, chunk.max_pixels)
+    outer, i = max(chunk.size, int(round(chunk.size / chunk.crop))), 0
+    try:
+        images = np.empty((chunk.n, 3, outer, outer), np.uint8)
+        for i, f in enumerate(chunk.files):
+            images[i] = decode_file(f, outer, chunk.max_pixels)
+    except MemoryError:  # one line naming what sizes it, not a worker traceback
+        raise DataError(f"out of memory decoding {chunk.n} images at {outer}x{outer} (at "
+                        f"{chunk.files[min(i, chunk.n - 1)].path if chunk.n else '-'}): lower "
+                        "--image-size, data.decode_chunk or data.max_pixels") from None
     if outer != chunk.size:
         images = np.ascontiguousarray(augment.center_crop(images, chunk.size))
     return images, np.array([f.label for f in chunk.files], np.int32).reshape(-1)

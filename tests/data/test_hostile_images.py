@@ -79,3 +79,17 @@ def test_an_io_error_reading_an_image_is_one_line_and_not_lost_work(tmp_path):
     assert str(err.value) == f"{link}: cannot read the file (Input/output error)"
     decision = recovery.decide(err.value, recovery.ClusterState(True), 0, where="", stopped_in=0)
     assert isinstance(decision, recovery.GiveUp) and decision.error is err.value  # not replayed
+
+
+def test_out_of_memory_while_decoding_names_the_options(tmp_path, monkeypatch):
+    path = tmp_path / "a.png"
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(path)
+    f = imagefolder._listed(str(path), 0)
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError()
+    monkeypatch.setattr(imagefolder, "decode_file", no_memory)
+    with pytest.raises(DataError, match=rf"out of memory decoding 1 images at 16x16 \(at "
+                                        rf".*a.png\): lower --image-size, data.decode_chunk or "
+                                        r"data.max_pixels"):
+        imagefolder.decode_chunk(imagefolder.DecodeChunk((f,), 16))
