@@ -108,6 +108,7 @@ def _run_train(args) -> int:
         print(f"output: {config.out} (--out)", file=sys.stderr, flush=True)
     page = dashboard.DashboardEvents(run=Path(config.out).name)  # the /training page of this run
     with graceful_stop() as stop, dashboard.dashboard_log(Path(config.out) / "dashboard.log"):
+        stop.in_setup = True  # a signal stops at once until the rounds start
         result = train(config, resume=bool(args.resume), overwrite=args.overwrite, stop=stop,
                        hooks=[page])
     if result.status == "complete":

@@ -108,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         print(str(exc), file=sys.stderr)
         return exc.exit_status
     except KeyboardInterrupt as exc:  # a second signal, or one outside a run: stopped at once
-        print("error: interrupted; a run stops cleanly at the next round boundary after one "
-              "Ctrl-C (or SIGTERM), a second one stops it at once", file=sys.stderr)
+        print(getattr(exc, "line", None) or "error: interrupted; a run stops cleanly at the next "
+              "round boundary after one Ctrl-C (or SIGTERM), a second one stops it at once",
+              file=sys.stderr)
         return getattr(exc, "exit_status", 130)
     except MemoryError:  # never a traceback: what was asked does not fit in this machine
         print("error: out of memory (the data, model or batch does not fit; nothing was saved "

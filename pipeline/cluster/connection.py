@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import subprocess
 import time
 import warnings
@@ -35,6 +36,24 @@ class Roles(NamedTuple):
     train: str = "TRAIN"
 
 
+TLS_FILE_BYTES = 1 << 20  # a PEM certificate chain or key is a few KiB
+
+
+def _check_tls_file(path: str, field: str) -> None:
+    """ClusterError unless ``path`` is a regular file of at most 1 MiB: the ssl module reads it
+    with a plain open (a FIFO would block it forever, a sparse terabyte take hours)."""
+    from pipeline.core.files import describe
+    try:
+        st = os.stat(path)
+    except OSError:
+        raise ClusterError(f"{field}: no such file {path!r}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ClusterError(f"{field}: {path!r} is {describe(st.st_mode)}, expected a regular file")
+    if st.st_size > TLS_FILE_BYTES:
+        raise ClusterError(f"{field}: {path!r} holds {st.st_size} bytes, more than a PEM file "
+                           f"(at most {TLS_FILE_BYTES})")
+
+
 def security_from(cfg: ClusterConfig) -> Security | None:
     """The client's TLS `Security` from the cluster section, or None when no TLS file is given.
 
@@ -55,8 +74,7 @@ def security_from(cfg: ClusterConfig) -> Security | None:
         path = paths[name]
         if not path:
             raise ClusterError(f"cluster.{name} ({flag}) is required with the other TLS files")
-        if not os.path.isfile(path):
-            raise ClusterError(f"cluster.{name} ({flag}): no such file {path!r}")
+        _check_tls_file(path, f"cluster.{name} ({flag})")
     return Security(tls_ca_file=paths["tls_ca_file"], tls_client_cert=paths["tls_cert"],
                     tls_client_key=paths["tls_key"], require_encryption=True)
 
@@ -124,6 +142,8 @@ def connect(cfg: ClusterConfig, log: Callable[[str], None] | None = None, *,
         if security is not None:
             raise ClusterError("--tls-ca-file/--tls-cert/--tls-key need --scheduler tls://HOST:PORT; "
                                "the embedded LocalCluster listens on 127.0.0.1 without TLS")
+        if cfg.dashboard_address:
+            check_dashboard_host(cfg.dashboard_address)
         with _embedded_cluster(cfg, list(gpus), roles) as client:
             log(_summary_line("started local cluster", client))
             yield client
@@ -165,9 +185,45 @@ def _start_embedded(cfg: ClusterConfig, gpus: list[str], roles: Roles) -> distri
         return _new_embedded(cfg, gpus, roles)
 
 
+WORKER_BYTES = 256 << 20  # an idle worker process with NumPy, Chainer and distributed: ~200 MB
+PROCESSES_PER_CORE = 4  # beyond this the workers only take turns (and each still costs memory)
+
+
+def capacity(cores: int, available: int) -> int:
+    """Worker processes a machine of ``cores`` cores and ``available`` bytes of free memory can
+    hold: at most 4 a core, and ~256 MiB each.
+
+    >>> capacity(2, 16 << 30), capacity(64, 1 << 30)
+    (8, 4)
+    """
+    return max(1, min(PROCESSES_PER_CORE * cores, available // WORKER_BYTES))
+
+
+def available_memory() -> int:
+    """Bytes of memory free for new processes (the cgroup's limit where it is lower)."""
+    import psutil
+    from distributed.system import MEMORY_LIMIT
+    return int(min(psutil.virtual_memory().available, MEMORY_LIMIT))
+
+
+def check_capacity(processes: int, cores: int = CPU_COUNT, available: int | None = None) -> None:
+    """ClusterError when the embedded cluster would start more worker processes than the machine
+    holds (:func:`capacity`), before one starts: 1024 on 2 cores started until the kernel
+    killed them."""
+    available = available_memory() if available is None else available
+    most = capacity(cores, available)
+    if processes > most:
+        raise ClusterError(
+            f"cluster.workers: {processes} worker processes are more than this machine holds: "
+            f"{cores} core(s) and {available / (1 << 30):.1f} GiB of free memory hold at most "
+            f"{most} (up to {PROCESSES_PER_CORE} a core, ~{WORKER_BYTES >> 20} MiB each); give "
+            f"--workers {most} or fewer, or --scheduler ADDR of a larger cluster")
+
+
 def _new_embedded(cfg: ClusterConfig, gpus: list[str], roles: Roles) -> distributed.SpecCluster:
     threads, loaders = cfg.threads_per_worker, cfg.loader_workers
     n_cpu = cfg.workers or default_workers(threads, len(gpus), loaders)
+    check_capacity(n_cpu + loaders + len(gpus) * cfg.gpu_workers_per_device)
     if not gpus and not loaders:
         return distributed.LocalCluster(
             n_workers=n_cpu, threads_per_worker=threads, processes=True, host="127.0.0.1",
@@ -235,10 +291,54 @@ def _worker_preloads() -> list[str]:
     return [*configured, "pipeline.cluster.worker_setup"]
 
 
+def has_ucx() -> bool:
+    """Whether a UCX transport for distributed is installed (ucx-py or distributed-ucxx)."""
+    import importlib.util
+    return any(importlib.util.find_spec(m) is not None for m in ("ucp", "distributed_ucxx"))
+
+
+def check_protocol(address: str) -> None:
+    """ClusterError when ``address`` names a transport this installation cannot speak: an
+    unknown one, or ``ucx://`` without UCX (distributed then failed with a ``TypeError`` about
+    an abstract class).
+
+    >>> check_protocol("tcp://h:1"); check_protocol("h:1")
+    >>> check_protocol("udp://h:1")
+    Traceback (most recent call last):
+    pipeline.core.errors.ClusterError: scheduler udp://h:1: unknown protocol 'udp' (tcp://, tls://, ws://, wss:// or ucx://)
+    """
+    scheme = address.split("://", 1)[0].lower() if "://" in address else "tcp"
+    if scheme not in ("tcp", "tls", "ws", "wss", "ucx", "inproc"):
+        raise ClusterError(f"scheduler {address}: unknown protocol {scheme!r} (tcp://, tls://, "
+                           "ws://, wss:// or ucx://)")
+    if scheme == "ucx" and not has_ucx():
+        raise ClusterError(f"scheduler {address}: UCX is not installed here (ucx-py or "
+                           "distributed-ucxx); connect with tcp:// or tls:// instead")
+
+
+def check_dashboard_host(address: str) -> None:
+    """ClusterError when the host of ``cluster.dashboard_address`` (``HOST:PORT`` or ``:PORT``)
+    does not resolve (distributed's own error blamed a missing ``__main__`` guard).
+
+    >>> check_dashboard_host(":8787"); check_dashboard_host("127.0.0.1:0")
+    """
+    import socket
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    host = host.strip("[]")
+    if not host:
+        return
+    try:
+        socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError) as exc:
+        raise ClusterError(f"cluster.dashboard_address {address}: cannot resolve host {host!r} "
+                           f"({one_line(exc, kind=False)})") from None
+
+
 @contextlib.contextmanager
 def _external_client(address: str, security: Security | None,
                      timeout: float) -> Iterator[distributed.Client]:
     address = _with_protocol(address, security)
+    check_protocol(address)
     try:
         client = distributed.Client(address, security=security, timeout=timeout)
     except (OSError, RuntimeError, ValueError) as exc:  # OSError covers TimeoutError and refusals

@@ -6,6 +6,11 @@ then fails with "Stream is closed" and distributed logs it at ERROR with a trace
 (dask/distributed#5371; NVIDIA-NeMo/Curator#9 "Fix noisy Dask shutdown"). On every Ctrl-C or end
 of a run that would print a traceback under the driver's last line. A heartbeat failure of a
 running worker is still reported.
+
+And a task that fails with one of our own one-line errors (a ``DataError`` found while decoding
+an image mid-run) is not logged as distributed's "Compute Failed" with its task and traceback:
+the driver prints that error as its one line, and the worker's 29 lines before it were noise.
+Any other exception in a task is still logged.
 """
 from __future__ import annotations
 
@@ -46,6 +51,33 @@ class ClosingHeartbeatFilter(logging.Filter):
         return not any(_status_name(w) in _CLOSING for w in list(self._workers))
 
 
+COMPUTE_FAILED = "Compute Failed"
+# The one-line errors of pipeline.core.errors, as the repr distributed logs them by (``repr(exc)``)
+OWN_ERRORS = ("UsageError(", "DataError(", "ClusterError(", "ResumeError(", "OutputError(")
+
+
+class OwnErrorFilter(logging.Filter):
+    """Drops distributed's "Compute Failed" record of a task that raised one of our one-line
+    errors (the driver reports it); keeps every other record.
+
+    >>> record = logging.LogRecord("distributed.worker", logging.ERROR, __file__, 0,
+    ...     COMPUTE_FAILED + "\\nKey: %s\\nState: %s\\nTask: %s\\nException: %r\\nTraceback: %r\\n",
+    ...     ("k", "executing", "t", "DataError('x.jpg: corrupt')", "tb"), None)
+    >>> OwnErrorFilter().filter(record)
+    False
+    >>> record.args = ("k", "executing", "t", "KeyError('bug')", "tb")
+    >>> OwnErrorFilter().filter(record)
+    True
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(COMPUTE_FAILED):
+            return True
+        args = record.args if isinstance(record.args, tuple) else ()
+        exception = args[3] if len(args) > 3 else ""
+        return not (isinstance(exception, str) and exception.startswith(OWN_ERRORS))
+
+
 def _status_name(worker) -> str:
     status = getattr(worker, "status", "")
     return getattr(status, "name", status)
@@ -61,3 +93,4 @@ def dask_setup(worker) -> None:
     quiet = ClosingHeartbeatFilter()
     quiet.watch(worker)
     log.addFilter(quiet)
+    log.addFilter(OwnErrorFilter())

@@ -106,9 +106,12 @@ def read_capped(path: str | os.PathLike, limit: int, what: str,
     ``what`` names the format in the message ("a CIFAR batch file").
     """
     with open_regular(path, error) as f:
-        check_size(path, size_of(f), limit, what, error)
-        try:
-            data = f.read(limit + 1)
+        size = size_of(f)
+        check_size(path, size, limit, what, error)
+        try:  # read(limit + 1) would reserve the whole limit (256 MiB for an image) at once
+            data = f.read(size + 1)
+            if len(data) > size:  # grown since, or a file that reports no size (/proc)
+                data += f.read(limit + 1 - len(data))
         except OSError as exc:
             raise error(f"{os.fspath(path)}: cannot read the file ({os_reason(exc)})") from None
     check_size(path, len(data), limit, what, error)
@@ -123,6 +126,86 @@ def read_text(path: str | os.PathLike, limit: int, what: str,
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise error(f"{os.fspath(path)}: not UTF-8 text (byte {exc.start})") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing inside a run's output directory: never through a symbolic link
+
+
+def open_append(path: str | os.PathLike, error: type[Exception] = DataError, text: bool = True):
+    """``path`` opened for appending, created if missing, the way every file a run appends to
+    (``metrics.jsonl``, ``metrics.csv``, ``dashboard.log``) opens: never through a symbolic link
+    (``O_NOFOLLOW``: the lines go into this directory or nowhere), without blocking (a FIFO with no
+    reader is refused, not waited on), and only if it is a regular file.
+
+    >>> import tempfile; d = tempfile.mkdtemp(); os.symlink("/tmp", d + "/x")
+    >>> open_append(d + "/x")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    pipeline.core.errors.DataError: .../x: is a symbolic link; a run writes only inside its directory (remove the link)
+    """
+    path = os.fspath(path)
+    flags = (os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+             | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fd = os.open(path, flags, 0o666)  # the umask applies, as for every output
+    except OSError as exc:
+        refuse_link(path, error)
+        with contextlib.suppress(OSError):  # a FIFO with no reader: ENXIO
+            mode = os.lstat(path).st_mode
+            if not stat.S_ISREG(mode):
+                raise error(f"{path}: is {describe(mode)}, expected a regular file") from None
+        raise error(f"cannot write {path}: {os_reason(exc)}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise error(f"{path}: is {describe(mode)}, expected a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "a" if text else "ab", newline="" if text else None)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+_LINK = "is a symbolic link; a run writes only inside its directory (remove the link)"
+
+
+def refuse_link(path: str | os.PathLike, error: type[Exception] = DataError) -> None:
+    """``error`` if ``path`` is a symbolic link (a run's outputs are never written through one)."""
+    if os.path.islink(path):
+        raise error(f"{os.fspath(path)}: {_LINK}")
+
+
+def own_dir(path: str | os.PathLike, error: type[Exception] = DataError) -> str:
+    """``path`` made (with its parents) and checked to be a directory of its own, not a symbolic
+    link to one elsewhere: what a run writes under it stays under its output directory.
+
+    >>> import tempfile; d = tempfile.mkdtemp(); os.symlink("/tmp", d + "/tb")
+    >>> own_dir(d + "/tb")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    pipeline.core.errors.DataError: .../tb: is a symbolic link; a run writes only inside its directory (remove the link)
+    """
+    path = os.fspath(path)
+    refuse_link(path, error)
+    try:
+        os.makedirs(path, exist_ok=True)
+        mode = os.lstat(path).st_mode
+    except OSError as exc:
+        raise error(f"cannot write {path}: {os_reason(exc)}") from None
+    if stat.S_ISLNK(mode):
+        raise error(f"{path}: {_LINK}")
+    if not stat.S_ISDIR(mode):
+        raise error(f"{path}: is {describe(mode)}, expected a directory")
+    return path
+
+
+def links_in(root: str | os.PathLike, names) -> list[str]:
+    """Which of ``names`` (entries of the directory ``root``) are symbolic links.
+
+    >>> import tempfile; d = tempfile.mkdtemp(); os.symlink("/tmp", d + "/tensorboard")
+    >>> links_in(d, ["tensorboard", "metrics.jsonl"])
+    ['tensorboard']
+    """
+    return [name for name in names if os.path.islink(os.path.join(root, name))]
 
 
 def regular_or_absent(path: str | os.PathLike) -> bool:

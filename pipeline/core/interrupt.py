@@ -30,6 +30,10 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        # True while the run is still being set up (the CLI sets it; the driver clears it when
+        # it starts reading the request between rounds): a signal then stops at once, so a
+        # blocking call of the set-up (a read, a connect) never makes the run unkillable.
+        self.in_setup = False
 
     def request(self, signum: int = signal.SIGINT) -> None:
         if self.signum is None:
@@ -50,18 +54,25 @@ class StopRequest:
 
 
 class ForcedStop(KeyboardInterrupt):
-    """A second signal: stop now, without waiting for the round boundary."""
+    """A second signal, or one during set-up: stop now, without waiting for a round boundary.
+    ``line`` is the one line to print."""
 
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
+    def __init__(self, signum: int, in_setup: bool = False):
+        name = signal.Signals(signum).name
+        super().__init__(name)
         self.exit_status = 128 + int(signum)
+        self.line = (f"error: interrupted ({name}) while the run was being set up; no round "
+                     "ran and nothing was written" if in_setup else
+                     "error: interrupted; a run stops cleanly at the next round boundary after "
+                     "one Ctrl-C (or SIGTERM), a second one stops it at once")
 
 
 @contextlib.contextmanager
 def graceful_stop(signals=HANDLED) -> Iterator[StopRequest]:
     """Install handlers for ``signals`` for the block; yield the :class:`StopRequest` they set.
 
-    The first signal only sets the request; the next raises :class:`ForcedStop` in the main thread.
+    The first signal only sets the request; the next raises :class:`ForcedStop` in the main thread,
+    and so does the first while ``stop.in_setup``.
     Outside the main thread (where Python cannot install handlers) the request is returned unarmed.
     """
     stop = StopRequest()
@@ -70,8 +81,8 @@ def graceful_stop(signals=HANDLED) -> Iterator[StopRequest]:
         return
 
     def handler(signum, frame):
-        if stop.requested:
-            raise ForcedStop(signum)
+        if stop.requested or stop.in_setup:
+            raise ForcedStop(signum, in_setup=stop.in_setup and not stop.requested)
         stop.request(signum)
 
     previous = {sig: signal.signal(sig, handler) for sig in signals}

@@ -70,17 +70,20 @@ def to_bytes(arrays: Mapping[str, np.ndarray], compress: bool = False) -> bytes:
 
 
 def read(path: str | os.PathLike, expected: Mapping[str, Spec] | None = None,
-         error: type[Exception] = DataError) -> dict[str, np.ndarray]:
+         error: type[Exception] = DataError, max_bytes: int | None = None,
+         what: str = "the reader allows") -> dict[str, np.ndarray]:
     """The arrays of the ``.npz`` file ``path``: ``{name: array}``, C-contiguous, native byte order.
 
     ``expected``: the names, shapes and dtypes the file must hold (no more, no fewer), checked
     before any data is read; a difference raises :class:`Mismatch`. Anything else wrong (not a
     regular file, not a zip, a pickle, an object array, sizes that do not add up, a bad CRC)
-    raises ``error`` with one line naming ``path``.
+    raises ``error`` with one line naming ``path``. ``max_bytes``: the most the arrays may
+    add up to (``what`` says whose bound it is), checked from the sizes the archive declares
+    before any member is inflated.
     """
     path = os.fspath(path)
     with open_regular(path, error) as f:
-        return _read_open(f, size_of(f), path, expected, error)
+        return _read_open(f, size_of(f), path, expected, error, (max_bytes, what))
 
 
 def read_bytes(data: bytes, where: str, expected: Mapping[str, Spec] | None = None,
@@ -89,13 +92,15 @@ def read_bytes(data: bytes, where: str, expected: Mapping[str, Spec] | None = No
     return _read_open(io.BytesIO(data), len(data), where, expected, error)
 
 
-def _read_open(f, size: int, path: str, expected, error) -> dict[str, np.ndarray]:
+def _read_open(f, size: int, path: str, expected, error, bound=(None, "")
+               ) -> dict[str, np.ndarray]:
     head = f.read(8)
     f.seek(0)
     _check_magic(head, path, error)
     try:
         with zipfile.ZipFile(f) as zf:
             members = _members(zf, size, path, error)
+            _check_total(members, *bound, path, error)
             names = _check_names(members, expected, path)
             return {name: _read_member(zf, members[name], path, expected and expected[name], error)
                     for name in names}
@@ -151,6 +156,19 @@ def _members(zf: zipfile.ZipFile, size: int, path: str, error) -> dict[str, zipf
     if not members:
         raise error(f"{path}: holds no arrays")
     return members
+
+
+HEADER_SLACK = 1024  # bytes of .npy header per member on top of its array (NumPy writes 128)
+
+
+def _check_total(members: Mapping, max_bytes: int | None, what: str, path: str, error) -> None:
+    """``error`` when the members' declared sizes exceed ``max_bytes`` (plus their headers)."""
+    if max_bytes is None:
+        return
+    declared = sum(info.file_size for info in members.values())
+    if declared > max_bytes + HEADER_SLACK * len(members):
+        raise error(f"{path}: its arrays declare {declared} bytes, more than {what} "
+                    f"(at most {max_bytes} bytes; refused before inflating any)")
 
 
 def _check_names(members: Mapping, expected: Mapping | None, path: str) -> list[str]:

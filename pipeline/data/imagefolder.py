@@ -32,6 +32,7 @@ import hashlib
 import io
 import math
 import os
+import re
 import stat
 import struct
 from collections import Counter
@@ -52,6 +53,9 @@ LIST_EXTENSIONS = (".txt", ".lst", ".list", ".tsv")  # a --data file with one of
 MAX_FILE_BYTES = 1 << 28  # 256 MiB: larger image files are refused before they are read
 MAX_LIST_BYTES = 1 << 28  # a file list of ~5 M lines at most
 MAX_PIXELS = 1 << 26  # default cap on width x height (67 M pixels, e.g. 8192 x 8192)
+# Scans of a progressive JPEG decoded at most: encoders write ~10 (mozjpeg 9-12); each scan is a
+# pass over the whole coefficient buffer, so 100,000 empty scans in 1 MB took ~8 minutes to decode.
+MAX_JPEG_SCANS = 256
 EVAL_CROP = 0.875  # fraction of the centred square kept for evaluation (torchvision's 224 / 256)
 _ORIENTATION = 0x0112  # the EXIF tag
 
@@ -121,21 +125,55 @@ def _kind(mode: int) -> str:
     return "not a plain file"
 
 
+# The file that marks a run directory of ours (pipeline.outputs.fs.MARKER): an --out inside the
+# image folder is never read as a class or as images.
+RUN_MARKER = ".dask-chainer-run"
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+def _is_run_dir(path: str) -> bool:
+    return os.path.lexists(os.path.join(path, RUN_MARKER))
+
+
 def class_folders(root: str) -> list[str]:
-    """Sorted names of the non-hidden subfolders of ``root`` (the classes)."""
+    """Sorted names of the non-hidden subfolders of ``root`` (the classes); a run directory of
+    ours (an ``--out`` placed inside the data) is not one."""
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
     except OSError as exc:
         raise DataError(f"{root}: cannot list the directory ({os_reason(exc)})") from None
-    return [e.name for e in entries if not _hidden(e.name) and e.is_dir()]
+    return [e.name for e in entries if not _hidden(e.name) and _is_dir(e)
+            and not _is_run_dir(e.path)]
+
+
+def _walk(folder: str):
+    """``(directory, sorted file names)`` below ``folder``, depth first with sorted folders, as
+    ``os.walk`` top-down; without recursion (a class folder nested 1,200 deep overflowed
+    ``os.walk``'s), symlinked folders, hidden folders and run directories of ours skipped."""
+    stack = [folder]
+    while stack:
+        here = stack.pop()
+        try:
+            entries = sorted(os.scandir(here), key=lambda e: e.name)
+        except OSError as exc:
+            raise DataError(f"{here}: cannot list the directory ({os_reason(exc)})") from None
+        dirs = [e for e in entries if not _hidden(e.name) and _is_dir(e)]
+        yield here, [e.name for e in entries if not _is_dir(e)]
+        stack.extend(e.path for e in reversed(dirs)
+                     if not e.is_symlink() and not _is_run_dir(e.path))
 
 
 def _class_files(folder: str, label: int) -> list[ImageFile]:
     """Every image below ``folder`` (nested folders too, symlinked folders not followed)."""
     found = []
-    for here, dirs, names in os.walk(folder, onerror=_walk_error):
-        dirs[:] = sorted(d for d in dirs if not _hidden(d))
-        for name in sorted(names):
+    for here, names in _walk(folder):
+        for name in names:
             if _hidden(name):
                 continue
             path = os.path.join(here, name)
@@ -144,10 +182,6 @@ def _class_files(folder: str, label: int) -> list[ImageFile]:
                                 f"{', '.join(EXTENSIONS)} files)")
             found.append(_listed(path, label))
     return found
-
-
-def _walk_error(exc: OSError) -> None:
-    raise DataError(f"{exc.filename}: cannot list the directory ({os_reason(exc)})")
 
 
 def list_folder(root: str, class_names: tuple | None = None) -> Listing:
@@ -194,13 +228,14 @@ def read_file_list(path: str, root: str | None = None, n_classes: int | None = N
     """
     text = _read_text(path)
     root = os.path.dirname(os.path.abspath(path)) if root is None else root
-    files = []
-    for number, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
+    files, largest = [], (-1, "")
+    for number, line in enumerate(_lines(text), 1):
+        line = line.strip(" \t")
         if not line or line.startswith("#"):
             continue
         where = f"{path}:{number}"
-        parts = line.rsplit(None, 1)
+        parts = _LABELLED.fullmatch(line)
+        parts = parts.groups() if parts else ()
         if len(parts) != 2 or not _is_int(parts[1]):
             raise DataError(f"{where}: expected 'path label' with an integer label, got "
                             f"{line[:80]!r}")
@@ -208,6 +243,7 @@ def read_file_list(path: str, root: str | None = None, n_classes: int | None = N
         if label < 0 or (n_classes is not None and label >= n_classes):
             limit = f"0..{n_classes - 1}" if n_classes else ">= 0"
             raise DataError(f"{where}: label {label} is out of range (labels are {limit})")
+        largest = max(largest, (label, where))
         image = os.path.join(root, parts[0])
         try:
             files.append(_listed(image, label))
@@ -215,7 +251,29 @@ def read_file_list(path: str, root: str | None = None, n_classes: int | None = N
             raise DataError(f"{where}: {err}") from None
     if not files:
         raise DataError(f"{path}: the file list names no image")
+    if n_classes is None and largest[0] >= len(files):  # before anything is sized by it
+        raise DataError(f"{largest[1]}: label {largest[0]} is out of range: the list names "
+                        f"{len(files)} images, so with every class present labels are at most "
+                        f"{len(files) - 1}")
     return _labelled(tuple(files), path, n_classes)
+
+
+# 'path label': the label is the last field after spaces or tabs; the path may hold spaces
+_LABELLED = re.compile(r"(.+?)[ \t]+([^ \t]+)")
+
+
+def _lines(text: str) -> list[str]:
+    """The lines of a file list: split at ``\\n`` only (a ``\\r`` before it dropped), never at
+    the other characters ``str.splitlines`` breaks on (VT, FF, U+2028, a lone CR), which a
+    path may hold.
+
+    >>> _lines("a\\x0bb.png 0\\r\\nc\\u2028d.png 1\\n")
+    ['a\\x0bb.png 0', 'c\\u2028d.png 1']
+    """
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [x[:-1] if x.endswith("\r") else x for x in lines]
 
 
 def _labelled(files: tuple, where: str, n_classes: int | None) -> Listing:
@@ -247,7 +305,15 @@ def _ranges(values) -> str:
 
 
 def _is_int(text: str) -> bool:
-    return text.lstrip("+-").isdigit() and len(text) < 19
+    """An ASCII integer of at most 18 digits with one optional sign ('²' and '+-1' are not).
+
+    >>> [_is_int(x) for x in ("7", "-1", "+3", "\u00b2", "+-1", "\u0663", "1" * 19)]
+    [True, True, True, False, False, False, False]
+    """
+    return _INT.fullmatch(text) is not None
+
+
+_INT = re.compile(r"[+-]?[0-9]{1,18}")
 
 
 def _read_text(path: str) -> str:
@@ -285,8 +351,9 @@ def split_listing(listing: Listing, fraction: float, rng: np.random.Generator
 def fingerprint(files) -> str:
     """A hash of paths, labels, sizes and mtimes: same fingerprint, same data."""
     digest = hashlib.sha1()
-    for f in files:
-        digest.update(f"{f.path}\0{f.label}\0{f.bytes}\0{f.mtime_ns}\n".encode())
+    for f in files:  # a name of non-UTF-8 bytes (caf\xe9.png) holds surrogates: its own bytes
+        digest.update(f"{f.path}\0{f.label}\0{f.bytes}\0{f.mtime_ns}\n".encode(
+            "utf-8", "surrogateescape"))
     return digest.hexdigest()
 
 
@@ -308,10 +375,37 @@ def _open(path: str, data: bytes, max_pixels: int):
     width, height = image.size
     if width < 1 or height < 1:
         raise DataError(f"{path}: empty image ({width}x{height})")
+    if image.format == "JPEG" and (scans := jpeg_scans(data)) > MAX_JPEG_SCANS:
+        raise DataError(f"{path}: a JPEG of {scans} scans, more than the {MAX_JPEG_SCANS} a "
+                        "progressive JPEG needs (refused: each scan is another pass over the "
+                        "whole image)")
     if width * height > max_pixels:
         raise DataError(f"{path}: {width}x{height} = {width * height} pixels, more than the cap "
                         f"of {max_pixels} (data.max_pixels)")
     return image
+
+
+def jpeg_scans(data: bytes) -> int:
+    """Start-of-scan markers in a JPEG stream: the header segments are skipped by their lengths
+    up to the first scan; after it, 0xFF 0xDA can only be a marker (entropy-coded data stuffs
+    every 0xFF with 0x00), so the rest is counted at C speed. An upper bound where a table
+    between scans happens to hold those two bytes; a linear pass, never a decode.
+
+    >>> jpeg_scans(b"\\xff\\xd8\\xff\\xe0\\x00\\x04\\xff\\xda\\xff\\xda\\x00\\x02..\\xff\\xda\\x00\\x02\\xff\\xd9")
+    2
+    """
+    pos = 2  # after SOI
+    while pos + 4 <= len(data) and data[pos] == 0xFF:
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+        elif marker == 0xDA:
+            return 1 + data.count(b"\xff\xda", pos + 2)
+        elif 0xD0 <= marker <= 0xD8 or marker == 0x01:  # no length
+            pos += 2
+        else:
+            pos += 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+    return 0
 
 
 def _load(path: str, image) -> None:
@@ -332,13 +426,28 @@ def to_rgb(image):
     if image.mode == "RGB":
         return image
     if image.mode.startswith("I"):  # 16-bit grayscale (I;16, I;16B, I from PNG): 0..65535
-        values = np.asarray(image).astype(np.int64)
-        image = Image.fromarray(np.clip((values + 128) // 257, 0, 255).astype(np.uint8), "L")
+        image = Image.fromarray(_scale_16_bit(np.asarray(image)), "L")
     elif image.mode == "P" and "transparency" in image.info:
         image = image.convert("RGBA")
     elif image.mode == "La":
         image = image.convert("LA")
     return image.convert("RGB")
+
+
+def _scale_16_bit(values: np.ndarray, rows: int = 1 << 20) -> np.ndarray:
+    """(H, W) 16- or 32-bit grayscale -> (H, W) uint8, 0..65535 scaled to 0..255 (rounded),
+    in blocks of about ``rows`` pixels: a whole-image int64 temporary cost 8 bytes a pixel more
+    (a 130 KB 16-bit PNG of 67 M pixels took 1.8 GB), this costs the uint8 result.
+
+    >>> _scale_16_bit(np.array([[0, 129, 65535, 70000]], np.int32)).tolist()
+    [[0, 1, 255, 255]]
+    """
+    out = np.empty(values.shape, np.uint8)
+    step = max(1, rows // max(1, values.shape[1]))
+    for top in range(0, values.shape[0], step):
+        block = values[top:top + step].astype(np.int64)
+        out[top:top + step] = np.clip((block + 128) // 257, 0, 255)
+    return out
 
 
 def scan_file(f: ImageFile, max_pixels: int = MAX_PIXELS) -> FileInfo:
@@ -419,10 +528,15 @@ def decode_chunk(chunk: DecodeChunk) -> tuple[np.ndarray, np.ndarray]:
     (`augment.center_crop`): torchvision's Resize + CenterCrop, one resampling.
     """
     import augment
-    outer = max(chunk.size, int(round(chunk.size / chunk.crop)))
-    images = np.empty((chunk.n, 3, outer, outer), np.uint8)
-    for i, f in enumerate(chunk.files):
-        images[i] = decode_file(f, outer, chunk.max_pixels)
+    outer, i = max(chunk.size, int(round(chunk.size / chunk.crop))), 0
+    try:
+        images = np.empty((chunk.n, 3, outer, outer), np.uint8)
+        for i, f in enumerate(chunk.files):
+            images[i] = decode_file(f, outer, chunk.max_pixels)
+    except MemoryError:  # one line naming what sizes it, not a worker traceback
+        raise DataError(f"out of memory decoding {chunk.n} images at {outer}x{outer} (at "
+                        f"{chunk.files[min(i, chunk.n - 1)].path if chunk.n else '-'}): lower "
+                        "--image-size, data.decode_chunk or data.max_pixels") from None
     if outer != chunk.size:
         images = np.ascontiguousarray(augment.center_crop(images, chunk.size))
     return images, np.array([f.label for f in chunk.files], np.int32).reshape(-1)

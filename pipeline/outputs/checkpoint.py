@@ -116,6 +116,20 @@ def usual_mode(directory: bool = False) -> int:
     return (0o777 if directory else 0o666) & ~_umask()
 
 
+STATE_COPIES = 4  # a replica's params, at most 2 optimizer slots (Adam), and slack
+
+
+def state_budget(model_bytes: int, replicas: int) -> int:
+    """The most bytes a checkpoint's ``state.npz`` of a model of ``model_bytes`` and ``replicas``
+    replicas holds: per replica (and the async server, and the outer state) the params and up to
+    two optimizer slots, each of the model's size; plus 1 MiB of scalars and schedules.
+
+    >>> state_budget(1000, 2)
+    1064576
+    """
+    return STATE_COPIES * model_bytes * (replicas + 2) + (1 << 20)
+
+
 def check_state(state: HostState, template: dict, where: str) -> None:
     """ResumeError unless every replica's params have the template's names, shapes and dtypes,
     and the optimizer and outer state fit them (a checkpoint of another model or a crafted one
@@ -300,12 +314,18 @@ def remove_temporaries(out: str | Path) -> list[str]:
     return sorted(removed)
 
 
-def load_latest(out: str | Path, warn=None) -> tuple[HostState, dict] | None:
-    """The newest checkpoint that verifies, falling back to older ones; None if there is none."""
+def load_latest(out: str | Path, warn=None, bound: tuple | None = None
+                ) -> tuple[HostState, dict] | None:
+    """The newest checkpoint that verifies, falling back to older ones; None if there is none.
+
+    ``bound``: ``(max_bytes, what)``, the most a state may hold (from the model and K,
+    :func:`state_budget`), checked before its arrays are inflated."""
+    max_bytes, what = bound or (None, "")
     for _, path in reversed(checkpoint_dirs(Path(out) / "checkpoints")):
         try:
             meta = verify(path)
-            flat = npz.read(path / "state.npz", error=ResumeError)
+            flat = npz.read(path / "state.npz", error=ResumeError, max_bytes=max_bytes,
+                            what=what)
             return _unflatten(flat, meta["round"], meta["replicas"], path / "state.npz"), meta
         except (ResumeError, npz.Mismatch, OSError) as exc:
             if warn:

@@ -11,6 +11,8 @@ import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from pipeline.core import files
+from pipeline.core.errors import OutputError
 from pipeline.outputs.live import format_line, split_series
 from pipeline.outputs.metrics import COLUMNS, INTEGERS
 
@@ -168,14 +170,19 @@ DASHBOARD_LOGGERS = ("distributed.dashboard", "bokeh", "tornado", "tornado.appli
 
 
 class _FileHandlerMakingDirs(logging.FileHandler):
-    """A FileHandler that creates the file (and its directory) at its first record only."""
+    """A FileHandler that creates the file (and its directory) at its first record only, and
+    opens it as every file a run appends to (``files.open_append``: never through a link)."""
 
     def __init__(self, path: str | Path):
         super().__init__(str(path), delay=True)
 
     def _open(self):
         Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
-        return super()._open()
+        return files.open_append(self.baseFilename, OutputError)
+
+    def handleError(self, record) -> None:
+        """A record that cannot be written is dropped: never a "Logging error" traceback on
+        the terminal the file exists to keep clean."""
 
 
 @contextlib.contextmanager
@@ -183,7 +190,9 @@ def dashboard_log(path: str | Path) -> Iterator[Path]:
     """For the block, the dashboard web server's own reports (:data:`DASHBOARD_LOGGERS`) go to
     the file ``path`` (made at the first one) instead of the terminal, so a browser on the
     dashboard never scrolls tracebacks into the training output. Matters where the scheduler
-    runs in this process (the embedded cluster)."""
+    runs in this process (the embedded cluster). A ``path`` that is a symbolic link is refused
+    (OutputError) before anything runs: nothing a run writes leaves its directory."""
+    files.refuse_link(path, OutputError)
     import distributed  # noqa: F401  its import (re)configures these loggers: ours must come after
     handler = _FileHandlerMakingDirs(path)
     handler.setFormatter(logging.Formatter("%(asctime)s - %(name)s - %(levelname)s - %(message)s"))

@@ -24,7 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.core.errors import OutputError, ResumeError, UsageError
-from pipeline.core.files import MIB, open_regular, os_reason, read_text
+from pipeline.core.files import (MIB, check_size, open_append, open_regular, os_reason,
+                                  read_text, size_of)
 
 MARKER = ".dask-chainer-run"
 PREVIOUS = ".previous-run"  # an overwritten run, kept until the new one has a checkpoint
@@ -197,27 +198,44 @@ def dumps(value, **kwargs) -> str:
 def append_lines(path: Path, lines: list[dict]) -> None:
     """Append JSON lines (one write per whole line); OutputError if it cannot."""
     try:  # never through a symbolic link: the lines go into this directory or nowhere
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0),
-                     0o666)  # the umask applies, as for every output
-        with os.fdopen(fd, "a") as f:
+        with open_append(path, OutputError) as f:
             for line in lines:
                 f.write(dumps(line) + "\n")
     except OSError as exc:
         raise OutputError(f"cannot write {path}: {os_reason(exc)}") from None
 
 
+LINE_BUDGET = 64 * 1024  # bytes a JSON-lines file may hold per record (ours are ~150-400 bytes)
+
+
+def lines_limit(records: int) -> int:
+    """The most bytes a JSON-lines file of ``records`` records of ours may hold.
+
+    >>> lines_limit(10)
+    1703936
+    """
+    return MIB + LINE_BUDGET * max(0, records)
+
+
 def read_lines(path: Path, keep: Callable[[dict], bool] = lambda record: True,
-               log: Callable[[str], None] | None = None) -> list[dict]:
+               log: Callable[[str], None] | None = None, records: int = 1 << 20) -> list[dict]:
     """The records of a JSON-lines file of ours (``metrics.jsonl``, ``updates.jsonl``) for which
     ``keep(record)`` holds, in file order.
 
     A line that is not a whole JSON object (garbage, a torn write), or that ``keep`` cannot judge
     (a field missing or of the wrong type), is skipped and the others are kept: one bad line never
-    drops the lines after it. ``log`` hears one line naming the skipped ones.
+    drops the lines after it. ``log`` hears one line naming the skipped ones. ``records``: how
+    many the run can have written; a file larger than :func:`lines_limit` of it (60 M empty
+    lines, a sparse terabyte) is refused before a line is read.
     """
-    kept, bad = [], []
+    kept, bad, limit = [], [], lines_limit(records)
+    what = f"a run's log of {records} records"
     with open_regular(path, ResumeError) as f:
+        check_size(path, size_of(f), limit, what, ResumeError)
+        read = 0
         for number, raw in enumerate(iter(lambda: f.readline(MAX_METRICS_LINE + 1), b""), 1):
+            read += len(raw)
+            check_size(path, read, limit, what, ResumeError)  # it grew meanwhile
             record = _json_record(raw)
             try:
                 if record is None:
@@ -232,10 +250,11 @@ def read_lines(path: Path, keep: Callable[[dict], bool] = lambda record: True,
     return kept
 
 
-def read_metrics(path: Path, last_round: int, log: Callable[[str], None] | None = None
-                 ) -> list[dict]:
+def read_metrics(path: Path, last_round: int, log: Callable[[str], None] | None = None,
+                 rounds: int = 1 << 20) -> list[dict]:
     """The lines of ``metrics.jsonl`` for rounds ``0..last_round``, one per round, in round order
-    (a line naming a round again, or no round, is skipped like a garbled one)."""
+    (a line naming a round again, or no round, is skipped like a garbled one). ``rounds``: the
+    run's planned rounds (what bounds the file)."""
     seen: set = set()
 
     def keep(record):
@@ -244,7 +263,7 @@ def read_metrics(path: Path, last_round: int, log: Callable[[str], None] | None 
             raise ValueError(r)
         seen.add(r)
         return r <= last_round
-    return sorted(read_lines(path, keep, log), key=lambda record: record["round"])
+    return sorted(read_lines(path, keep, log, rounds), key=lambda record: record["round"])
 
 
 def _json_record(raw: bytes) -> dict | None:

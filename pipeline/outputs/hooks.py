@@ -9,12 +9,15 @@ names are ``pipeline.outputs.metrics``'.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import math
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+from pipeline.core import files
+from pipeline.core.errors import OutputError
 from pipeline.outputs import checkpoint, metrics
 
 
@@ -70,8 +73,11 @@ class CSVLog:
         checkpoint.write_atomic(self.path, text.getvalue())
 
     def __call__(self, line: dict) -> None:
-        with open(self.path, "a", newline="") as f:
-            csv.writer(f, lineterminator="\n").writerow(csv_row(line))
+        try:
+            with files.open_append(self.path, OutputError) as f:  # never through a link
+                csv.writer(f, lineterminator="\n").writerow(csv_row(line))
+        except OSError as exc:
+            raise OutputError(f"cannot write {self.path}: {files.os_reason(exc)}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,22 +115,81 @@ class TensorBoardLog:
     def __init__(self, logdir: str | Path):
         self.logdir = Path(logdir)
         self.writer = None
+        self.failed: OSError | None = None  # what stopped tensorboardX's writer thread
 
     def start(self, info: RunInfo) -> None:
         from tensorboardX import SummaryWriter
+        files.own_dir(self.logdir, OutputError)  # a link to elsewhere is refused, not followed
         purge = info.history[-1]["step"] + 1 if info.history else None
-        self.writer = SummaryWriter(str(self.logdir), purge_step=purge, flush_secs=5)
-        self.writer.add_text("config", "```\n" + info.config.to_json() + "\n```",
-                             global_step=purge or 0)
+        try:
+            self.writer = SummaryWriter(str(self.logdir), purge_step=purge, flush_secs=5)
+        except OSError as exc:  # it writes the file's first event at once
+            raise OutputError(f"cannot write {self.logdir}: {files.os_reason(exc)}") from None
+        self._watch_writes()
+        self._add(lambda: self.writer.add_text("config", "```\n" + info.config.to_json()
+                                               + "\n```", global_step=purge or 0))
 
     def __call__(self, line: dict) -> None:
         for tag, value in scalars(line).items():
-            self.writer.add_scalar(tag, value, global_step=line["step"])
+            self._add(lambda: self.writer.add_scalar(tag, value, global_step=line["step"]))
+
+    def _add(self, add: Callable[[], None]) -> None:
+        """One event, each only while the writer thread lives: tensorboardX hands events to its
+        thread through a queue of 10, and a thread that died (a full disk) leaves ``put``
+        waiting forever. One event per check: a thread that dies after a check has taken an
+        event from the queue, so that one put still finds room."""
+        worker = _writer_thread(self.writer)
+        if self.failed is not None or (worker is not None and not worker.is_alive()):
+            reason = files.os_reason(self.failed) if self.failed else "its writer thread stopped"
+            raise OutputError(f"cannot write {self.logdir}: {reason}")
+        add()
+
+    def _watch_writes(self) -> None:
+        """tensorboardX's writer thread dies on an OSError, with a traceback on the terminal
+        and the queue left to fill; a failed write is kept here instead (the next event raises
+        OutputError) and the thread lives on, dropping what it is given."""
+        events = _events_writer(self.writer)
+        if events is None:
+            return
+
+        def guarded(method):
+            def call(*args):
+                if self.failed is None:
+                    try:
+                        return method(*args)
+                    except OSError as exc:
+                        self.failed = exc
+            return call
+        events.write_event, events.flush = guarded(events.write_event), guarded(events.flush)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        writer, self.writer = self.writer, None
+        if writer is None:
+            return
+        worker = _writer_thread(writer)
+        if worker is not None and not worker.is_alive():  # it would never take close()'s event
+            _event_file_writer(writer)._closed = True  # nor the one of tensorboardX's atexit
+            return
+        try:
+            writer.close()
+        except (OSError, ValueError) as exc:
+            if self.failed is None:
+                raise OutputError(f"cannot write {self.logdir}: {files.os_reason(exc)}") from None
+
+
+def _event_file_writer(writer):
+    file_writer = getattr(writer, "file_writer", None)
+    return getattr(file_writer, "event_writer", None)
+
+
+def _writer_thread(writer):
+    """tensorboardX's writer thread of ``writer`` (None if its internals moved)."""
+    return getattr(_event_file_writer(writer), "_worker", None)
+
+
+def _events_writer(writer):
+    """The object that writes ``writer``'s event file (None if tensorboardX's internals moved)."""
+    return getattr(_event_file_writer(writer), "_ev_writer", None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,47 @@ INTEGERS = ("round", "epoch", "step", "images", "bytes_averaged")  # the columns
 STAGES = (*keys.STAGES, "waiting")
 
 
+# What every task result a line is built from must hold: field -> the kinds it may be.
+_COUNT, _NUMBER = ("int",), ("int", "float")
+RESULT_FIELDS = {"train": {"n": _COUNT, "loss_sum": _NUMBER, "correct": _COUNT,
+                           "finite": ("bool",)},
+                 "evaluate": {"n": _COUNT, "loss_sum": _NUMBER, "correct": _COUNT}}
+
+
+def _kind(value) -> str:
+    import numbers
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return "bool"
+    if isinstance(value, numbers.Integral):
+        return "int"
+    return "float" if isinstance(value, numbers.Real) else type(value).__name__
+
+
+def result_problem(value, stage: str) -> str | None:
+    """What is wrong with a ``stage`` task's result (a metrics dict), in words; None if nothing.
+    A worker of another version, or a hostile one, must not end the driver in a ``KeyError``.
+
+    >>> result_problem({"n": 8, "loss_sum": 2.5, "correct": 3, "finite": True}, "train")
+    >>> result_problem({"n": 8, "loss_sum": 2.5}, "evaluate")
+    "a dict without 'correct'"
+    >>> result_problem({"n": "8", "loss_sum": 2.5, "correct": 3}, "evaluate")
+    "'n' of type str (expected int)"
+    >>> result_problem([1, 2], "train")
+    'a list, not a dict of metrics'
+    """
+    if not isinstance(value, dict):
+        return f"a {type(value).__name__}, not a dict of metrics"
+    for field, kinds in RESULT_FIELDS[stage].items():
+        if field not in value:
+            return f"a dict without {field!r}"
+        kind = _kind(value[field])
+        if kind not in kinds:
+            return f"{field!r} of type {kind} (expected {' or '.join(kinds)})"
+        if kinds == _COUNT and value[field] < 0:
+            return f"{field!r} = {value[field]} (expected a count >= 0)"
+    return None
+
+
 def mean_of(results: list[dict], field: str) -> float:
     """``field`` summed over per-task metric dicts, divided once by their summed ``n``.
 

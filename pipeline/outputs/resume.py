@@ -101,6 +101,20 @@ def finished(out: Path) -> bool:
         return (Path(out) / "model.npz").exists()
 
 
+def _state_bound(config_dict: dict) -> tuple | None:
+    """``(max_bytes, what)`` for this run's checkpoints: from the model's size and K (None when
+    the config names no model we can build: the resume fails on the config check instead)."""
+    try:
+        from pipeline.backends import get_backend
+        model, k = config_dict["model"]["name"], int(config_dict["train"]["replicas"])
+        params = get_backend().init_params(model, int(config_dict["model"]["n_classes"]), 0)
+    except Exception:  # noqa: BLE001  an unknown model or field: check_same_run names it
+        return None
+    size = sum(v.nbytes for v in params.values())
+    return (checkpoint.state_budget(size, k),
+            f"a checkpoint of {model} with {k} replica(s) holds")
+
+
 def load(out: Path, config_dict: dict, log: Callable[[str], None]) -> Resume:
     """The state to resume ``out`` from, checked against this run's config ``config_dict``."""
     out = Path(out)
@@ -111,7 +125,7 @@ def load(out: Path, config_dict: dict, log: Callable[[str], None]) -> Resume:
             raise ResumeError(f"nothing to resume in {out}: it has no checkpoints/")
         log(f"{out} stopped before its first checkpoint: starting its run again from round 0")
         return Resume(None, None)
-    found = checkpoint.load_latest(out, warn=log)
+    found = checkpoint.load_latest(out, warn=log, bound=_state_bound(config_dict))
     if found is None:
         raise ResumeError(f"no readable checkpoint in {out / 'checkpoints'}")
     state, meta = found

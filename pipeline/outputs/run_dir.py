@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from pipeline.core import files
 from pipeline.outputs import checkpoint
 from pipeline.outputs import resume as resuming
 from pipeline.outputs import fs as rundir
@@ -31,6 +32,9 @@ def prepare(out: str | None, resume: bool, overwrite: bool) -> Path | None:
     if out.is_dir() and rundir.is_ours(out):
         rundir.settle(out)  # first: an overwrite that a killed process left half done
     rundir.check(out, resume, overwrite)  # a new or empty directory, or one marked ours
+    if out.is_dir():  # what a run writes stays in OUT: a link among its names is refused now
+        for name in files.links_in(out, RUN_FILES + RUN_DIRS + ("dashboard.log",)):
+            files.refuse_link(out / name, UsageError)
     if not resume and out.is_dir() and (out / "metrics.jsonl").exists() and not overwrite:
         if not rundir.has_checkpoint(out) and not resuming.finished(out):
             raise UsageError(f"{out} holds a run that stopped before its first checkpoint: start "
@@ -76,13 +80,14 @@ class RunDir:
             return
         rundir.append_lines(self.path / name, lines)
 
-    def truncate(self, name: str, keep) -> list[dict]:
+    def truncate(self, name: str, keep, records: int = 1 << 20) -> list[dict]:
         """Keep the lines of ``name`` for which ``keep(line)`` holds, up to a torn last line;
-        rewrite the file atomically. Returns the kept lines."""
+        rewrite the file atomically. Returns the kept lines. ``records``: how many lines the
+        run can have written (bounds the read: ``fs.lines_limit``)."""
         path = self.path / name
         if not path.exists():
             return []
-        kept = rundir.read_lines(path, keep, self.log)  # a torn or garbled line is skipped
+        kept = rundir.read_lines(path, keep, self.log, records)  # a garbled line is skipped
         checkpoint.write_atomic(path, "".join(rundir.dumps(x) + "\n" for x in kept))
         return kept
 

@@ -313,7 +313,12 @@ class RoundGraph:
         home = self._home(replica) if replica is not None else None
         where = [home] if home is not None else None
         present = [v for v in values if v is not None]
-        futures = iter(self.client.scatter(present, hash=False, workers=where) if present else ())
+        try:
+            futures = iter(self.client.scatter(present, hash=False, workers=where)
+                           if present else ())
+        except KeyError as exc:  # the scheduler no longer knows `where` (the watchdog retired
+            # it after this attempt placed its replicas): lost work, replayed by a new attempt
+            raise ConnectionError(f"scatter to {where}: the worker is gone ({exc})") from None
         return [next(futures) if v is not None else None for v in values]
 
     def scatter_shared(self, value, round_index: int, what: str = "scatter") -> list:

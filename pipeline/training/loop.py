@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 
 from pipeline.backends import get_backend
 from pipeline.core.config import Config
-from pipeline.core.errors import DivergenceError, Interrupted, one_line
+from pipeline.core.errors import ClusterError, DivergenceError, Interrupted, one_line
 from pipeline.outputs import fs as rundir
 from pipeline.outputs import resume as resuming
 from pipeline.outputs import run_dir as outputs
@@ -100,7 +100,8 @@ def _already_complete(config: Config, out, prep: Prepared, log) -> TrainOutput:
     log(f"{out} is complete: {len(prep.rounds)} rounds, {epochs:g} epochs; to train it longer "
         f"give more epochs: --resume {out} --epochs {epochs * 2:g}")
     path = Path(out) / "metrics.jsonl"  # a torn or garbled line is skipped
-    history = rundir.read_metrics(path, last_round=1 << 62) if path.exists() else []
+    history = (rundir.read_metrics(path, last_round=1 << 62, rounds=len(prep.rounds))
+               if path.exists() else [])
     params = {k: v for k, v in prep.state.params[0].items() if not k.startswith("opt/")}
     model = get_backend().to_model(config.model.name, prep.dataset.n_classes, params)
     return TrainOutput(history, model, params, str(out), config, status="complete")
@@ -116,14 +117,18 @@ def _run(client, out: outputs.RunDir, log, prep: Prepared, stop, resume: bool, o
     anchor = prep.state or setup.strategy(setup.ctx, setup.graph).initial_state(setup.initial)
     _stop_before_start(stop, anchor, out)
     out.create(resume, overwrite)
-    history = out.truncate("metrics.jsonl", lambda x: x["round"] <= anchor.round) if resume else []
+    history = (out.truncate("metrics.jsonl", lambda x: x["round"] <= anchor.round,
+                            records=len(prep.rounds)) if resume else [])
     schedule = Schedule.of(config, len(prep.rounds), saves=bool(out))
     extensions = standard(config, out, schedule, **extra)
     return _Loop(client, setup, out, log, stop, schedule, extensions, history, anchor).run()
 
 
 def _stop_before_start(stop, anchor: HostState, out: outputs.RunDir) -> None:
-    """A stop asked for during set-up: nothing ran, nothing is written."""
+    """A stop asked for during set-up: nothing ran, nothing is written. From here a signal
+    only asks the loop to stop at its next round boundary."""
+    if stop is not None:
+        stop.in_setup = False
     if stop is not None and stop.requested:
         where = (f"; resume: python -m pipeline train --resume {out.path}"
                  if anchor.round >= 0 else "; nothing was written")
@@ -225,6 +230,8 @@ class _Loop:
         rnd, strategy = pending.rnd, attempt.strategy
         metrics = attempt.graph.gather(pending.metrics)  # the watchdog looks while it waits
         evals = attempt.graph.gather(pending.evals) if pending.evals else []
+        _check_results(attempt.graph, (("train", pending.metrics, metrics),
+                                       ("evaluate", pending.evals, evals)))
         for stage, results in (("train", metrics), ("evaluate", evals)):
             for m in results:
                 if isinstance(m.get("seconds"), (int, float)):
@@ -302,6 +309,30 @@ class _Loop:
         self.out.finish(params, self.history, len(self.rounds), curve_labels(info))
         path = self.out.path
         return TrainOutput(self.history, model, params, str(path) if path else None, self.config)
+
+
+def _check_results(graph, stages) -> None:
+    """ClusterError naming the worker and what it returned when a task's result is not the
+    metrics dict our task functions return (``metrics.result_problem``), before any is used."""
+    from pipeline.outputs.metrics import result_problem
+    for stage, futures, results in stages:
+        if not isinstance(results, (list, tuple)):
+            results = [results]
+        for future, value in zip(futures, results):
+            problem = result_problem(value, stage)
+            if problem:
+                raise ClusterError(f"worker {_holder(graph, future)} returned {problem} for "
+                                   f"{stage} task {getattr(future, 'key', '?')} (a worker of "
+                                   "another version of this pipeline?)")
+
+
+def _holder(graph, future) -> str:
+    """The worker holding ``future``'s result, or '?'."""
+    try:
+        held = graph.client.who_has([future]).get(future.key) or ["?"]
+        return ", ".join(map(str, held))
+    except Exception:  # noqa: BLE001  only for a message: never replace the error we report
+        return "?"
 
 
 def _check_updates(metrics: list, rnd) -> None:

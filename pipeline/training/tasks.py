@@ -7,6 +7,7 @@ module imports neither dask nor a framework.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import NamedTuple
 
@@ -15,6 +16,7 @@ import numpy as np
 import augment
 from pipeline.averaging import exact as averaging
 from pipeline.backends import State, get_backend
+from pipeline.core.errors import UsageError
 from pipeline.core.rng import rng_for
 from pipeline.core.threads import limit_blas_threads
 from pipeline.data.readers import Shard
@@ -60,7 +62,7 @@ def train(params: State, opt_state: State | None, shard: Shard, spec: StepSpec) 
     start = time.perf_counter()
     backend = get_backend(spec.backend)
     rng = rng_for(spec.seed, "dropout", spec.round, spec.replica)
-    with limit_blas_threads():
+    with limit_blas_threads(), _memory_named(spec.model, shard.images, spec.batch_size):
         if spec.mode == "gradient":
             new_params, stats = backend.gradient(params, shard.images, shard.labels, spec, rng)
             new_opt = None
@@ -74,6 +76,20 @@ def train(params: State, opt_state: State | None, shard: Shard, spec: StepSpec) 
                    finite=stats.finite and nonfinite is None, replica=spec.replica,
                    nonfinite=nonfinite, seconds=time.perf_counter() - start)
     return TrainResult(new_params, new_opt, metrics)
+
+
+@contextlib.contextmanager
+def _memory_named(model: str, images: np.ndarray, batch: int):
+    """A MemoryError in a task becomes one line naming the options that size it (the worker's
+    traceback and a bare "out of memory" named none): ``UsageError``, so no worker logs it and the
+    driver prints it as the run's last line."""
+    try:
+        yield
+    except MemoryError:
+        side = images.shape[-1] if getattr(images, "ndim", 0) == 4 else "?"
+        raise UsageError(f"out of memory in a task of {model} on {side}x{side} images, batch "
+                         f"{batch}: lower --image-size or --batch-size (or give the workers "
+                         "more memory)") from None
 
 
 def update(params: State, opt_state: State | None, mean: State, spec: StepSpec) -> tuple:
@@ -101,7 +117,7 @@ class EvalSpec(NamedTuple):
 
 def predict_proba(params: State, images: np.ndarray, spec: EvalSpec) -> np.ndarray:
     """(N, 3, 32, 32) uint8 -> (N, classes) float32 softmax probabilities (TTA-averaged if asked)."""
-    with limit_blas_threads():
+    with limit_blas_threads(), _memory_named(spec.model, images, spec.batch_size):
         return get_backend(spec.backend).predict(params, images, spec)
 
 

@@ -139,3 +139,30 @@ def test_graceful_stop_sets_the_request_then_forces_on_a_second_signal():
             time.sleep(0.05)
     assert err.value.exit_status == 130
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # put back
+
+
+@pytest.mark.timeout(90)
+def test_a_signal_during_set_up_stops_at_once_even_in_a_blocking_wait(tmp_path):
+    """A scheduler that accepts the connection and never answers: the set-up waits in its
+    connect (60 s). One SIGTERM (as ``timeout`` sends) ends it within seconds, one line, 143."""
+    import socket
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel completes the handshake; nobody ever speaks
+    try:
+        port = silent.getsockname()[1]
+        driver = _cli(*ARGS, "--scheduler", f"tcp://127.0.0.1:{port}", "--connect-timeout", "60",
+                      "--out", str(tmp_path / "run"))
+        time.sleep(4)  # imports done, waiting in the connect
+        assert driver.poll() is None, driver.communicate()
+        start = time.monotonic()
+        driver.send_signal(signal.SIGTERM)
+        _, stderr = driver.communicate(timeout=30)
+        assert time.monotonic() - start < 15
+    finally:
+        silent.close()
+    assert driver.returncode == 143, stderr
+    assert "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1] == ("error: interrupted (SIGTERM) while the run was "
+                                               "being set up; no round ran and nothing was written")
+    assert not (tmp_path / "run").exists()

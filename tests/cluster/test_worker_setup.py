@@ -81,3 +81,23 @@ def test_running_workers_heartbeat_failure_is_kept_and_setup_is_idempotent(worke
     log.error(HEARTBEAT_FAILED + ".")
     log.error("Unrelated error.")
     assert worker_log.messages == [HEARTBEAT_FAILED + ".", "Unrelated error.", "Unrelated error."]
+
+
+def _raise(error):
+    raise error
+
+
+@pytest.mark.timeout(60)
+def test_a_task_failing_with_our_one_line_error_logs_no_compute_failed(worker_log):
+    """A data error found by a decode- task mid-run: the driver prints it as one line; the
+    worker logs no "Compute Failed" with a traceback before it. A bug still does."""
+    from pipeline.core.errors import DataError
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                                  dashboard_address=None) as c, distributed.Client(c) as client:
+        for worker in c.workers.values():
+            dask_setup(worker)
+        for error in (DataError("x.jpg: corrupt or truncated image"), KeyError("bug")):
+            with pytest.raises(type(error)):
+                client.submit(_raise, error, pure=False).result(timeout=10)
+    failed = [m for m in worker_log.messages if m.startswith("Compute Failed")]
+    assert len(failed) == 1 and "KeyError" in failed[0], failed

@@ -445,3 +445,96 @@ def test_synth_never_replaces_a_file(tmp_path, capsys):
     assert "already exists; writing a dataset never replaces files" in _one_error_line(
         capsys.readouterr().err)
     assert _files(tmp_path) == before
+
+
+# --- hostile input, round three: nothing a run writes leaves OUT --------------------------------
+
+
+@pytest.mark.parametrize("name", ["tensorboard", "dashboard.log", "metrics.csv", "checkpoints"])
+def test_a_link_in_the_run_directory_is_refused_before_anything_is_written(run_copy, tmp_path,
+                                                                          scheduler, capsys, name):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    target = elsewhere / name
+    if name == "checkpoints":
+        shutil.move(run_copy / name, target)
+    os.symlink(target, run_copy / name)
+    before = _files(run_copy)
+    assert main(["train", "--resume", str(run_copy), "--epochs", "2", "--tensorboard", "--csv",
+                 "--scheduler", scheduler]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line == (f"error: {run_copy / name}: is a symbolic link; a run writes only inside its "
+                    "directory (remove the link)")
+    assert _files(run_copy) == before
+    assert not target.exists() or name == "checkpoints"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("make", ["sparse", "empty lines"])
+def test_a_huge_or_sparse_metrics_file_is_refused_on_resume_without_reading_it(run_copy, scheduler,
+                                                                              capsys, make):
+    path = run_copy / "metrics.jsonl"
+    if make == "sparse":
+        with open(path, "r+b") as f:
+            f.truncate(1 << 40)  # a terabyte of holes after the real lines
+    else:
+        path.write_bytes(path.read_bytes() + b"\n" * 10_000_000)
+    size = path.stat().st_size
+    assert main(["train", "--resume", str(run_copy), "--epochs", "2", "--scheduler",
+                 scheduler]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    # the resumed plan has 4 rounds: 1 MiB + 4 x 64 KiB
+    assert line == (f"error: {path}: {size} bytes is more than a run's log of 4 records can "
+                    f"hold (at most {rundir.lines_limit(4)} bytes)")
+
+
+@pytest.mark.timeout(120)
+def test_a_deflate_bomb_state_is_refused_before_it_is_inflated(run_copy, scheduler, capsys):
+    """A state.npz whose extra member inflates to 256 MB from ~250 KB (checksums recomputed):
+    refused from the sizes the archive declares, against what the model and K can hold."""
+    import tracemalloc
+    for ckpt in (run_copy / "checkpoints").iterdir():
+        flat = npz.read(ckpt / "state.npz")
+        flat["outer/zeros"] = np.zeros(1 << 28, np.uint8)
+        np.savez_compressed(ckpt / "state.npz", **flat)
+        del flat
+        meta = _meta(ckpt)
+        meta["sha256"]["state.npz"] = checkpoint.sha256(ckpt / "state.npz")
+        meta["checksum"] = checkpoint.meta_checksum(meta)
+        (ckpt / "meta.json").write_text(json.dumps(meta))
+        assert (ckpt / "state.npz").stat().st_size < 2_000_000
+    tracemalloc.start()
+    try:
+        assert main(["train", "--resume", str(run_copy), "--epochs", "2", "--scheduler",
+                     scheduler]) == 2
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    err = capsys.readouterr().err
+    assert "more than a checkpoint of small-cnn with 2 replica(s) holds (at most " in err
+    assert "refused before inflating any" in err
+    assert "no readable checkpoint" in _one_error_line(err)
+    assert peak < 64 << 20, peak
+
+
+@pytest.mark.timeout(120)
+def test_a_full_disk_under_tensorboard_ends_the_run_with_one_line(tmp_path, capsys, scheduler,
+                                                                 monkeypatch):
+    """tensorboardX's writer thread meets ENOSPC after its first events: the run ends with one
+    line and exit 2 (it used to block forever in add_scalar), no replay, no traceback."""
+    from tensorboardX import event_file_writer
+    real, written = event_file_writer.EventsWriter.write_event, []
+
+    def full(self, event):
+        written.append(event)
+        if len(written) > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, event)
+    monkeypatch.setattr(event_file_writer.EventsWriter, "write_event", full)
+    out = tmp_path / "out"
+    assert _train("--out", str(out), "--tensorboard", "--epochs", "4",
+                  scheduler=scheduler) == 2
+    err = capsys.readouterr().err
+    assert _one_error_line(err) == (f"error: cannot write {out / 'tensorboard'}: No space left "
+                                    "on device")
+    assert "lost work" not in err and "Exception in thread" not in err

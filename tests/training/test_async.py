@@ -97,3 +97,48 @@ def test_fixed_order_identical_on_1_and_3_worker_processes():
     one = train(cfg.replace(**{"cluster.workers": 1}))
     three = train(cfg.replace(**{"cluster.workers": 3}))
     assert_same_bits(one.params, three.params)
+
+
+# --- hostile input, round three: an update log is read as any user file -------------------------
+
+_OK = '{"position": 0, "replica": 0}\n'
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("text, message", [
+    (_OK + '{"position": Infinity, "replica": 1}\n', "line 2 is not an update record"),
+    (_OK + '{"position": 1e400, "replica": 1}\n', "line 2 is not an update record"),
+    (_OK + '{"position": 1.0, "replica": 1}\n', "line 2 is not an update record"),
+    (_OK + '{"position": 1, "replica": true}\n', "line 2 is not an update record"),
+    (_OK + "[" * 100_000 + "]" * 100_000 + "\n", "line 2 is not an update record"),
+    (_OK + '{"position": 0, "replica": 1}\n', "line 2 names position 0 again"),
+    (_OK + '{"position": -1, "replica": 1}\n', "line 2 names position -1"),
+    (_OK + '{"position": 1, "replica": 0}\n{"position": 2, "replica": 0}\n'
+     '{"position": 3, "replica": 0}\n',
+     "position 3 names replica 0, which has no update left to apply then"),
+    ('{"position": 0, "replica": 0}\u2028{"position": 1, "replica": 1}\n',
+     "line 1 is not an update record"),  # split on newlines only
+])
+def test_hostile_replay_files_are_one_line_usage_errors(tmp_path, text, message):
+    path = tmp_path / "updates.jsonl"
+    path.write_text(text)
+    updates = 4 if "replica 0, which" in message else 2
+    with pytest.raises(UsageError, match=message):
+        read_order(str(path), 2, updates)
+
+
+@pytest.mark.timeout(30)
+def test_a_fifo_device_or_huge_replay_file_is_refused_without_reading_it(tmp_path):
+    import os
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # no writer: an open that blocked would wait forever
+    with pytest.raises(UsageError, match=r"fifo: is a FIFO \(named pipe\), expected a regular"):
+        read_order(str(fifo), 2, 2)
+    with pytest.raises(UsageError, match=r"/dev/zero: is a character device"):
+        read_order("/dev/zero", 2, 2)
+    sparse = tmp_path / "sparse.jsonl"
+    with open(sparse, "wb") as f:
+        f.truncate(1 << 40)  # 1 TiB of holes
+    with pytest.raises(UsageError, match=r"1099511627776 bytes is more than an update log of 2 "
+                                         r"updates can hold \(at most 1050624 bytes\)"):
+        read_order(str(sparse), 2, 2)

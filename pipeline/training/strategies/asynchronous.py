@@ -25,7 +25,6 @@ sparse models; dense CNN updates are applied whole, one at a time, by one task.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -34,6 +33,7 @@ from pipeline.training import tasks
 from pipeline.averaging.exact import is_float
 from pipeline.outputs.checkpoint import HostState
 from pipeline.core.errors import UsageError
+from pipeline.core.files import MIB, read_text
 from pipeline.training.strategies.base import Strategy, Submitted
 
 UPDATES = "updates.jsonl"  # the order an arrival run applied its updates, one line per update
@@ -96,30 +96,86 @@ def fixed_order(replicas: int, updates: int) -> list[int]:
     return [n % replicas for n in range(updates)]
 
 
+UPDATE_BYTES = 1024  # an update record is ~150 bytes; a log may hold 1 KiB per update, plus 1 MiB
+
+
 def read_order(path: str, replicas: int, updates: int) -> list[int]:
-    """The replica of each position from an ``updates.jsonl``; UsageError naming what is wrong."""
+    """The replica of each position from an ``updates.jsonl``; UsageError naming what is wrong.
+
+    Read as every user file is (``files.read_text``: a regular file, never a FIFO or a device,
+    at most 1 KiB per update), split on newlines only (a record holds no other line break), each
+    record's position and replica plain integers, each position once, and the order one an
+    arrival run can have applied (:func:`check_replayable`).
+    """
+    limit = MIB + UPDATE_BYTES * updates
     try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise UsageError(f"cannot read --replay-updates {path}: {exc.strerror or exc}") from None
+        text = read_text(path, limit, f"an update log of {updates} updates", UsageError)
+    except UsageError as exc:
+        raise UsageError(f"cannot read --replay-updates {exc}") from None
     order: dict[int, int] = {}
-    for number, raw in enumerate(text.splitlines(), 1):
-        try:
-            line = json.loads(raw)
-            if "position" not in line:
-                continue  # an event line (a replay after lost work)
-            position, replica = int(line["position"]), int(line["replica"])
-        except (ValueError, TypeError, KeyError, AttributeError):
-            raise UsageError(f"--replay-updates {path}: line {number} is not an update "
-                             "record") from None
+    for number, raw in enumerate(text.split("\n"), 1):
+        if not raw.strip():
+            continue
+        position, replica = _update_record(raw, f"--replay-updates {path}: line {number}")
+        if position is None:
+            continue  # an event line (a replay after lost work)
         if not 0 <= replica < replicas:
             raise UsageError(f"--replay-updates {path}: line {number} names replica {replica}, "
                              f"but the run has {replicas}")
+        if position in order:
+            raise UsageError(f"--replay-updates {path}: line {number} names position {position} "
+                             "again (each position is applied once)")
         order[position] = replica
-    if sorted(order) != list(range(updates)):
+    if len(order) != updates or any(not 0 <= n < updates for n in order):
         raise UsageError(f"--replay-updates {path}: holds {len(order)} updates, the run applies "
                          f"{updates} (positions 0..{updates - 1} each once)")
-    return [order[n] for n in range(updates)]
+    order_list = [order[n] for n in range(updates)]
+    check_replayable(order_list, replicas, f"--replay-updates {path}")
+    return order_list
+
+
+def _update_record(raw: str, where: str) -> tuple[int | None, int]:
+    """``(position, replica)`` of one log line (``(None, 0)`` for an event line); UsageError
+    for anything else: not JSON, nested too deep, ``Infinity``, a number that is not an int."""
+    try:
+        line = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        line = None
+    if isinstance(line, dict) and "position" not in line:
+        return None, 0
+    if not isinstance(line, dict) or not all(type(line.get(f)) is int
+                                             for f in ("position", "replica")):
+        raise UsageError(f"{where} is not an update record (an object with integer position "
+                         "and replica)")
+    if line["position"] < 0:
+        raise UsageError(f"{where} names position {line['position']}")
+    return line["position"], line["replica"]
+
+
+def _no_constant(name: str):
+    raise ValueError(name)  # Infinity, -Infinity and NaN are not JSON numbers
+
+
+def check_replayable(order: list[int], replicas: int, where: str) -> None:
+    """UsageError unless each position names a replica with an update in flight then: every
+    replica starts with one slot and takes the next free slot when its update is applied, until
+    the slots run out (what ``AsyncStrategy`` does). An order naming a replica that has
+    nothing left to apply would otherwise fail mid-run.
+
+    >>> check_replayable([0, 1, 0, 1], 2, "x")
+    >>> check_replayable([0, 0, 0, 0], 2, "x")
+    Traceback (most recent call last):
+    pipeline.core.errors.UsageError: x: position 3 names replica 0, which has no update left to apply then (an arrival run never logs that)
+    """
+    inflight, next_slot = set(range(min(replicas, len(order)))), min(replicas, len(order))
+    for n, k in enumerate(order):
+        if k not in inflight:
+            raise UsageError(f"{where}: position {n} names replica {k}, which has no update left "
+                             "to apply then (an arrival run never logs that)")
+        if next_slot < len(order):
+            next_slot += 1
+        else:
+            inflight.discard(k)
 
 
 class Flight(NamedTuple):
@@ -196,7 +252,8 @@ class Async(Strategy):
             self.order = fixed_order(self.K, self.total)
         if out:  # the log holds what made the state: drop updates past the anchor
             kept = (anchor.round + 1) * self.K
-            out.truncate(UPDATES, lambda x: "position" not in x or x["position"] < kept)
+            out.truncate(UPDATES, lambda x: "position" not in x or x["position"] < kept,
+                         records=self.total + len(self.rounds_))  # updates, replay events
             if replay:
                 out.append(UPDATES, [dict(event="replay", from_round=anchor.round + 1,
                                           from_position=kept, order=self.acfg.order)])
