@@ -105,6 +105,51 @@ def client_of(data):
 
 
 # --------------------------------------------------------------------------------------------
+# Stores: one read- task per block of rows, opened on the worker that runs it
+
+
+def read_rows(path: str, dataset: str | None, lo: int, hi: int) -> np.ndarray:
+    """The ``read-`` task: rows ``lo:hi`` of an ``.npy`` file (memory-mapped) or of the HDF5
+    dataset ``dataset`` (h5py, imported only here), as an in-memory array."""
+    if dataset is None:
+        return np.array(np.load(path, mmap_mode="r")[lo:hi])
+    import h5py
+    with h5py.File(path, "r") as f:
+        return f[dataset][lo:hi]
+
+
+def from_store(path: str, dataset: str | None = None, rows: int = 4096) -> da.Array:
+    """A Dask array of an ``.npy`` file (``dataset`` None) or an HDF5 dataset whose blocks of
+    ``rows`` rows are read on the workers (``("read-<token>", i, 0, ...)``): the file is opened
+    in each task, so nothing but its path travels (a memmap or an h5py object in a graph would
+    be pickled whole, or not at all). Zarr needs none of this: ``da.from_zarr(path)``.
+
+    >>> import tempfile; p = tempfile.mkdtemp() + "/x.npy"; np.save(p, np.arange(10))
+    >>> from_store(p, rows=4).chunks, int(from_store(p, rows=4).sum().compute())
+    (((4, 4, 2),), 45)
+    """
+    from dask.base import tokenize
+    from dask.highlevelgraph import HighLevelGraph
+    from dask.task_spec import Task
+    if dataset is None:
+        header = np.load(path, mmap_mode="r")
+        shape, dtype = header.shape, header.dtype
+    else:
+        import h5py
+        with h5py.File(path, "r") as f:
+            shape, dtype = f[dataset].shape, f[dataset].dtype
+    st = os.stat(path)
+    name = f"read-{tokenize(os.path.abspath(path), dataset, st.st_size, st.st_mtime_ns, rows)[:8]}"
+    bounds = list(range(0, shape[0], rows)) + [shape[0]]
+    tail = (0,) * (len(shape) - 1)
+    layer = {(name, i, *tail): Task((name, i, *tail), read_rows, path, dataset, lo, hi)
+             for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))}
+    chunks = (tuple(np.diff(bounds).tolist()),) + tuple((d,) for d in shape[1:])
+    return da.Array(HighLevelGraph.from_collections(name, layer, dependencies=()), name, chunks,
+                    dtype=dtype)
+
+
+# --------------------------------------------------------------------------------------------
 # Normalising
 
 

@@ -198,3 +198,40 @@ def test_kernels_pickle_and_are_pure():
     assert pickle.loads(pickle.dumps(arrays.row_hashes))(block).shape == (2,)
     assert arrays.row_hashes(block)[0] != arrays.row_hashes(block)[1]
     assert pickle.loads(pickle.dumps(arrays.to_uint8)) is arrays.to_uint8
+
+
+def _store(tmp_path, x: np.ndarray, y: np.ndarray) -> tuple:
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    return str(tmp_path / "x.npy"), str(tmp_path / "y.npy")
+
+
+def test_recipe_npy_store_to_dask_array_to_train(tmp_path):
+    """README 'Your arrays': images in a store on disk -> a Dask array read on the workers ->
+    train; the same bytes as the arrays in memory."""
+    x, y, tx, ty = data.dataset_arrays(data.load_dataset("synthetic:96:32"))
+    xs, ys = _store(tmp_path, x.transpose(0, 2, 3, 1), y)  # stored NHWC, as most stores are
+    images = arrays.from_store(xs, rows=40)
+    assert images.chunks[0] == (40, 40, 16)
+    assert [layer.split("-")[0] for layer in images.dask.layers] == ["read"]
+    config = make_config(BASE)
+    with _cluster(2) as client:
+        stored = train(config, client, data=(images, arrays.from_store(ys), tx, ty),
+                       log=lambda m: None)
+        in_memory = train(config, client, data=(x, y, tx, ty), log=lambda m: None)
+    assert_same_bits(in_memory.params, stored.params, "npy store vs memory")
+    assert stored.config.data.source == in_memory.config.data.source
+
+
+def test_recipe_hdf5_and_zarr(tmp_path):
+    x, y = _images()
+    expected = _plan((x, y)).source
+    h5py = pytest.importorskip("h5py")  # not a dependency: the recipe works where it is installed
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f["x"], f["y"] = x, y
+    path = str(tmp_path / "d.h5")
+    assert _plan((arrays.from_store(path, "x", rows=9), arrays.from_store(path, "y"))).source \
+        == expected
+    zarr = pytest.importorskip("zarr")
+    zarr.save(str(tmp_path / "x.zarr"), x)
+    assert _plan((da.from_zarr(str(tmp_path / "x.zarr")), y)).source == expected
