@@ -306,6 +306,8 @@ def _check_labels(y: np.ndarray, yt, n_classes: int | None) -> int:
                             f"{int(empty[0])} ({len(empty)} empty in all); give n_classes "
                             "when some classes have no training image")
         n_classes = n
+    if n_classes < 2:
+        raise DataError(f"n_classes: {n_classes}; at least 2 classes needed")
     for name, v in (("y_train", y), ("y_test", yt)):
         if v is not None and len(v) and v.max() >= n_classes:
             raise DataError(f"{name}: label {int(v.max())} at row {int(np.argmax(v))} is out of "

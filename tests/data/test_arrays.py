@@ -86,6 +86,8 @@ BAD = [
     ("not square", lambda x, y: (x[:, :, :8], y), "square images expected"),
     ("n_classes too small", lambda x, y: {"x_train": x, "y_train": y, "n_classes": 3},
      "y_train: label 3 at row 3 is out of range (labels are 0..2)"),
+    ("one class", lambda x, y: {"x_train": x, "y_train": y * 0, "n_classes": 1},
+     "n_classes: 1; at least 2 classes needed"),
     ("names", lambda x, y: {"x_train": x, "y_train": y, "label_names": ("a", "b")},
      "label_names: 2 names for 4 classes"),
     ("unknown chunks", lambda x, y: (da.from_array(x, chunks=10)[da.from_array(y) > 0], y),
