@@ -9,7 +9,8 @@ Sources:
 * an image folder ``root/<class>/<image>`` (ImageNet / torchvision ``ImageFolder`` style; classes
   are the sorted names of the subfolders, files may sit in nested folders of a class, as
   Tiny-ImageNet's ``<class>/images/*.JPEG``), optionally split as ``root/train/<class>/...`` and
-  ``root/val/<class>/...``. As torchvision does, files without an image extension (a
+  ``root/val/<class>/...`` (or ``root/val/`` holding one folder of images and one file list
+  naming their classes, as Tiny-ImageNet's ``val/images/`` and ``val_annotations.txt``). As torchvision does, files without an image extension (a
   ``<wnid>_boxes.txt``, ``.xml`` annotations) are skipped, and so are hidden files and folders
   (``.DS_Store``, macOS ``._*`` files, ``.git/``); ``Listing.skipped`` counts them by kind;
 * a file list (Chainer's ``LabeledImageDataset``): lines ``path label``, the label an integer
@@ -206,7 +207,25 @@ def folder_splits(root: str) -> tuple[Listing, Listing | None]:
     if not os.path.isdir(train_dir):
         return list_folder(root), None
     train = list_folder(train_dir)
-    return train, (list_folder(val_dir, train.class_names) if os.path.isdir(val_dir) else None)
+    if not os.path.isdir(val_dir):
+        return train, None
+    annotations = _val_list(val_dir, train.class_names)
+    if annotations is not None:  # Tiny-ImageNet's val/: images/ and a list naming their classes
+        return train, read_file_list(*annotations, class_names=train.class_names)
+    return train, list_folder(val_dir, train.class_names)
+
+
+def _val_list(val_dir: str, class_names: tuple) -> tuple | None:
+    """``(list, image root)`` when ``val_dir`` holds one file list beside one folder that is not
+    a training class (``val/val_annotations.txt`` + ``val/images/``), else None."""
+    folders = class_folders(val_dir)
+    if len(folders) != 1 or folders[0] in class_names:
+        return None
+    lists = [e.name for e in os.scandir(val_dir) if e.is_file() and not _hidden(e.name)
+             and e.name.lower().endswith(LIST_EXTENSIONS)]
+    if len(lists) != 1:
+        return None
+    return os.path.join(val_dir, lists[0]), os.path.join(val_dir, folders[0])
 
 
 def read_file_list(path: str, root: str | None = None, n_classes: int | None = None,

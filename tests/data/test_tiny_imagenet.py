@@ -39,6 +39,12 @@ def test_inspect_skips_boxes_and_hidden_files_and_counts_them(tiny):
     assert info["formats"] == {"JPEG": 24}
 
 
+def test_the_root_as_it_ships_finds_train_and_the_annotated_val(tiny):
+    info = data.inspect_dataset(str(tiny), cfg=DataConfig(image_size=32))
+    assert (info["train"], info["test"], info["classes"]) == (18, 6, 3)
+    assert info["class_counts"]["val"] == {w: 2 for w in info["label_names"]}
+
+
 def test_val_annotations_map_class_names_to_the_train_indices(tiny):
     ds = data.load_dataset(str(tiny / "train"), _val(tiny))
     _, _, _, ty = data.dataset_arrays(ds)
