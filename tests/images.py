@@ -85,3 +85,43 @@ def png_header_only(path: Path, width: int, height: int) -> Path:
     path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) +
                      chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
     return path
+
+
+def write_tiny_imagenet(root: Path, classes: int = 3, train: int = 6, val: int = 2,
+                        seed: int = 0) -> Path:
+    """A Tiny-ImageNet-200-shaped folder as it ships (64x64 JPEGs), with the clutter of a real
+    copy: ``wnids.txt``, ``words.txt``, ``train/<wnid>/images/<wnid>_<i>.JPEG`` beside
+    ``train/<wnid>/<wnid>_boxes.txt``, ``.DS_Store`` files, a macOS ``._`` file and a hidden
+    folder, ``val/images/val_<i>.JPEG`` with ``val/val_annotations.txt`` (``file<TAB>wnid<TAB>x0
+    <TAB>y0<TAB>x1<TAB>y1``) and an unlabelled ``test/images/``."""
+    rng = np.random.default_rng(seed)
+    wnids = [f"n0{1443537 + 1000 * c}" for c in range(classes)]
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "wnids.txt").write_text("".join(w + "\n" for w in wnids))
+    (root / "words.txt").write_text("".join(f"{w}\tthing {c}\n" for c, w in enumerate(wnids)))
+    ds_store = b"\0\0\0\1Bud1" + bytes(32)
+    (root / "train").mkdir()
+    (root / "train" / ".DS_Store").write_bytes(ds_store)
+    for c, wnid in enumerate(wnids):
+        images = root / "train" / wnid / "images"
+        images.mkdir(parents=True)
+        boxes = []
+        for i in range(train):
+            name = f"{wnid}_{i}.JPEG"
+            Image.fromarray(photo(c, rng, 64, 64)).save(images / name, "JPEG", quality=90)
+            boxes.append(f"{name}\t{i}\t{i}\t{40 + i}\t{40 + i}\n")
+        (root / "train" / wnid / f"{wnid}_boxes.txt").write_text("".join(boxes))
+        (root / "train" / wnid / ".DS_Store").write_bytes(ds_store)
+    (root / "train" / wnids[0] / "images" / f"._{wnids[0]}_0.JPEG").write_bytes(b"\0\5\26\7")
+    (root / "train" / wnids[0] / ".ipynb_checkpoints").mkdir()
+    (root / "val" / "images").mkdir(parents=True)
+    lines = []
+    for i in range(val * classes):
+        c = (i * 7) % classes  # classes interleaved, as in the real file
+        Image.fromarray(photo(c, rng, 64, 64)).save(root / "val" / "images" / f"val_{i}.JPEG",
+                                                    "JPEG", quality=90)
+        lines.append(f"val_{i}.JPEG\t{wnids[c]}\t0\t1\t62\t63\n")
+    (root / "val" / "val_annotations.txt").write_text("".join(lines))
+    (root / "test" / "images").mkdir(parents=True)
+    Image.fromarray(photo(0, rng, 64, 64)).save(root / "test" / "images" / "test_0.JPEG", "JPEG")
+    return root

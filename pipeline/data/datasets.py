@@ -28,7 +28,7 @@ from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 from dask.task_spec import Task, TaskRef
 
-from pipeline.data import cifar
+from pipeline.data import arrays, cifar
 from pipeline.data import images as image_readers
 from pipeline.core import keys
 from pipeline.core.config import DataConfig
@@ -65,6 +65,7 @@ class Dataset(NamedTuple):
     source: str  # what was loaded: "synthetic:N:M" or the resolved path
     stream: object = None  # image sources: the training files for decoding them again each epoch
     #                        when they are not cached (pipeline.data.images.Stream)
+    info: dict | None = None  # the reader's extra inspect fields (arrays: the fingerprint, ...)
 
 
 def load_dataset(source: str, cfg: DataConfig | None = None, download: bool = False,
@@ -90,10 +91,13 @@ def load_dataset(source: str, cfg: DataConfig | None = None, download: bool = Fa
     ((50, 3, 32, 32), (10, 10, 10, 10, 10), dtype('int32'))
     """
     plan = _plan(source, cfg or DataConfig(), download, client)
-    train_images, train_labels = _arrays(plan, plan.train, "train")
-    test_images, test_labels = _arrays(plan, plan.test, "test")
+    if plan.arrays is not None:  # data that is an array already (pipeline.data.arrays)
+        train_images, train_labels, test_images, test_labels = plan.arrays
+    else:
+        train_images, train_labels = _arrays(plan, plan.train, "train")
+        test_images, test_labels = _arrays(plan, plan.test, "test")
     return Dataset(train_images, train_labels, test_images, test_labels, list(plan.label_names),
-                   len(plan.label_names), plan.source, plan.stream)
+                   len(plan.label_names), plan.source, plan.stream, plan.info)
 
 
 def inspect_dataset(source: str, download: bool = False, cfg: DataConfig | None = None) -> dict:
@@ -152,7 +156,7 @@ def reader_for(source: str, cfg: DataConfig) -> Reader:
     >>> reader_for("synthetic:50:10", DataConfig()).name
     'synthetic'
     """
-    source = os.fspath(source)
+    source = os.fspath(source) if isinstance(source, (str, os.PathLike)) else source
     return next(r for r in READERS if r.claims(source, cfg))
 
 
@@ -169,7 +173,7 @@ def checks_on_driver(source: str, cfg: DataConfig) -> bool:
 
 def _plan(source: str, cfg: DataConfig, download: bool, client=None) -> Plan:
     cfg.validate()
-    source = os.fspath(source)
+    source = os.fspath(source) if isinstance(source, (str, os.PathLike)) else source
     reader = reader_for(source, cfg)
     side = reader.image_side
     if side is not None and cfg.image_size not in (None, side):
@@ -206,6 +210,7 @@ def _synthetic_plan(n_train: int, n_test: int, seed: int) -> Plan:
 # The reader registry, tried in order: the first that claims a source plans it. A new format is
 # one module with a Reader and its line here.
 READERS: tuple[Reader, ...] = (
+    arrays.ARRAYS,  # train(config, data=...): Dask / NumPy arrays, Chainer datasets
     Reader("synthetic", lambda source, cfg: parse_synthetic(source) is not None,
            _synthetic_reader_plan, checks_on_driver=True, image_side=32),
     image_readers.FILE_LIST,  # lines "path label" (.txt, .lst, ...)

@@ -7,12 +7,17 @@ files on the workers.
 Sources:
 
 * an image folder ``root/<class>/<image>`` (ImageNet / torchvision ``ImageFolder`` style; classes
-  are the sorted names of the subfolders, files may sit in nested folders of a class), optionally
-  split as ``root/train/<class>/...`` and ``root/val/<class>/...``;
+  are the sorted names of the subfolders, files may sit in nested folders of a class, as
+  Tiny-ImageNet's ``<class>/images/*.JPEG``), optionally split as ``root/train/<class>/...`` and
+  ``root/val/<class>/...`` (or ``root/val/`` holding one folder of images and one file list
+  naming their classes, as Tiny-ImageNet's ``val/images/`` and ``val_annotations.txt``). As torchvision does, files without an image extension (a
+  ``<wnid>_boxes.txt``, ``.xml`` annotations) are skipped, and so are hidden files and folders
+  (``.DS_Store``, macOS ``._*`` files, ``.git/``); ``Listing.skipped`` counts them by kind;
 * a file list (Chainer's ``LabeledImageDataset``): lines ``path label``, the label an integer
-  ``0 <= label < K``, paths relative to a root directory (the list's own directory unless given);
-  blank lines and lines starting with ``#`` are skipped; a path may contain spaces (the label is
-  the last field).
+  ``0 <= label < K`` or a class name (Tiny-ImageNet's ``val_annotations.txt``: ``path<TAB>wnid
+  <TAB>box...``, extra columns ignored), paths relative to a root directory (the list's own
+  directory unless given); blank lines and lines starting with ``#`` are skipped; a path may
+  contain spaces (the label is then the last field).
 
 Every image becomes RGB: grayscale, bilevel, palette (transparency dropped), RGBA / LA (alpha
 dropped, as torchvision's loader does), CMYK and YCbCr through Pillow's conversion; 16-bit
@@ -46,7 +51,7 @@ from pipeline.core.files import os_reason, read_capped
 # Formats Pillow may open (its plugin names). EPS/PS (Ghostscript), PDF and other exotic plugins
 # are never tried, so a file named .jpg cannot reach them.
 FORMATS = ("JPEG", "PNG", "BMP", "GIF", "TIFF", "WEBP", "PPM")
-# Extensions an image file may have; any other non-hidden file inside a class folder is an error.
+# Extensions an image file may have; other files inside a class folder are skipped (and counted).
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm",
               ".pbm", ".pnm")
 LIST_EXTENSIONS = (".txt", ".lst", ".list", ".tsv")  # a --data file with one of these is a file list
@@ -73,6 +78,9 @@ class Listing(NamedTuple):
     files: tuple  # ImageFile, in a fixed order (class, then path)
     class_names: tuple  # class index -> name
     where: str  # the folder or list it came from (for messages)
+    skipped: tuple = ()  # (kind, count) of what a folder held besides images, most first:
+    #                      kinds are extensions (".txt"), "no extension", "hidden file",
+    #                      "hidden folder"
 
 
 class FileInfo(NamedTuple):
@@ -153,7 +161,8 @@ def class_folders(root: str) -> list[str]:
 
 
 def _walk(folder: str):
-    """``(directory, sorted file names)`` below ``folder``, depth first with sorted folders, as
+    """``(directory, sorted file names, hidden folders skipped)`` below ``folder``, depth first
+    with sorted folders, as
     ``os.walk`` top-down; without recursion (a class folder nested 1,200 deep overflowed
     ``os.walk``'s), symlinked folders, hidden folders and run directories of ours skipped."""
     stack = [folder]
@@ -163,24 +172,40 @@ def _walk(folder: str):
             entries = sorted(os.scandir(here), key=lambda e: e.name)
         except OSError as exc:
             raise DataError(f"{here}: cannot list the directory ({os_reason(exc)})") from None
-        dirs = [e for e in entries if not _hidden(e.name) and _is_dir(e)]
-        yield here, [e.name for e in entries if not _is_dir(e)]
+        folders = [e for e in entries if _is_dir(e)]
+        dirs = [e for e in folders if not _hidden(e.name)]
+        yield here, [e.name for e in entries if not _is_dir(e)], len(folders) - len(dirs)
         stack.extend(e.path for e in reversed(dirs)
                      if not e.is_symlink() and not _is_run_dir(e.path))
 
 
-def _class_files(folder: str, label: int) -> list[ImageFile]:
-    """Every image below ``folder`` (nested folders too, symlinked folders not followed)."""
+def skip_kind(name: str) -> str | None:
+    """Why a file named ``name`` in a class folder is not an image (None: it is one).
+
+    >>> [skip_kind(n) for n in ("a.JPEG", "n01_boxes.txt", ".DS_Store", "._a.jpg", "README")]
+    [None, '.txt', 'hidden file', 'hidden file', 'no extension']
+    """
+    if _hidden(name):
+        return "hidden file"
+    if name.lower().endswith(EXTENSIONS):
+        return None
+    ext = os.path.splitext(name)[1].lower()
+    return ext if ext and len(ext) <= 12 and ext.isprintable() else "no extension"
+
+
+def _class_files(folder: str, label: int, skipped: Counter) -> list[ImageFile]:
+    """Every image below ``folder`` (nested folders too, symlinked folders not followed); what
+    is not an image by its name is counted in ``skipped`` (see :func:`skip_kind`)."""
     found = []
-    for here, names in _walk(folder):
+    for here, names, hidden in _walk(folder):
+        if hidden:
+            skipped["hidden folder"] += hidden
         for name in names:
-            if _hidden(name):
+            kind = skip_kind(name)
+            if kind is not None:
+                skipped[kind] += 1
                 continue
-            path = os.path.join(here, name)
-            if not name.lower().endswith(EXTENSIONS):
-                raise DataError(f"{path}: not an image file (class folders hold only "
-                                f"{', '.join(EXTENSIONS)} files)")
-            found.append(_listed(path, label))
+            found.append(_listed(os.path.join(here, name), label))
     return found
 
 
@@ -195,18 +220,19 @@ def list_folder(root: str, class_names: tuple | None = None) -> Listing:
                             f"(root/<class>/<image>), found {found}")
         class_names = tuple(names)
     index = {name: i for i, name in enumerate(class_names)}
-    files = []
+    files, skipped = [], Counter()
     for name in names:
         if name not in index:
             raise DataError(f"{os.path.join(root, name)}: class {name!r} is not one of the "
                             f"training classes ({', '.join(class_names)})")
-        found = _class_files(os.path.join(root, name), index[name])
+        found = _class_files(os.path.join(root, name), index[name], skipped)
         if not found:
-            raise DataError(f"{os.path.join(root, name)}: empty class folder (no image files)")
+            raise DataError(f"{os.path.join(root, name)}: empty class folder (no image files: "
+                            f"{', '.join(EXTENSIONS)})")
         files += found
     if not files:
         raise DataError(f"{root}: no class subfolders with images")
-    return Listing(tuple(files), tuple(class_names), root)
+    return Listing(tuple(files), tuple(class_names), root, tuple(skipped.most_common()))
 
 
 def folder_splits(root: str) -> tuple[Listing, Listing | None]:
@@ -216,46 +242,116 @@ def folder_splits(root: str) -> tuple[Listing, Listing | None]:
     if not os.path.isdir(train_dir):
         return list_folder(root), None
     train = list_folder(train_dir)
-    return train, (list_folder(val_dir, train.class_names) if os.path.isdir(val_dir) else None)
+    if not os.path.isdir(val_dir):
+        return train, None
+    annotations = _val_list(val_dir, train.class_names)
+    if annotations is not None:  # Tiny-ImageNet's val/: images/ and a list naming their classes
+        return train, read_file_list(*annotations, class_names=train.class_names)
+    return train, list_folder(val_dir, train.class_names)
 
 
-def read_file_list(path: str, root: str | None = None, n_classes: int | None = None) -> Listing:
+def _val_list(val_dir: str, class_names: tuple) -> tuple | None:
+    """``(list, image root)`` when ``val_dir`` holds one file list beside one folder that is not
+    a training class (``val/val_annotations.txt`` + ``val/images/``), else None."""
+    folders = class_folders(val_dir)
+    if len(folders) != 1 or folders[0] in class_names:
+        return None
+    lists = [e.name for e in os.scandir(val_dir) if e.is_file() and not _hidden(e.name)
+             and e.name.lower().endswith(LIST_EXTENSIONS)]
+    if len(lists) != 1:
+        return None
+    return os.path.join(val_dir, lists[0]), os.path.join(val_dir, folders[0])
+
+
+def read_file_list(path: str, root: str | None = None, n_classes: int | None = None,
+                   class_names: tuple | None = None) -> Listing:
     """A file list -> Listing. ``root``: where relative paths start (default: the list's folder).
 
-    ``n_classes`` (a val list) fixes the label range; otherwise it is the largest label + 1 and
-    every class in it must have an image. DataError naming ``LIST:LINE`` for a bad line, a
-    missing file or a label out of range.
+    Lines are ``path label`` (the label the last field; a path may hold spaces) or, with tabs or
+    with more fields after an existing path, ``path label extra...`` (extra columns ignored, as
+    in Tiny-ImageNet's ``val_annotations.txt``). A label is an integer or a class name: names
+    of a training list are its sorted distinct names (torchvision's order); ``class_names`` (a
+    val list: the training split's) maps names to indices, and fixes ``n_classes``. DataError
+    naming ``LIST:LINE`` for a bad line, a missing file, a label out of range or an unknown name.
     """
     text = _read_text(path)
     root = os.path.dirname(os.path.abspath(path)) if root is None else root
-    files, largest = [], (-1, "")
+    if class_names is not None:
+        n_classes = len(class_names)
+    rows = []
     for number, line in enumerate(_lines(text), 1):
         line = line.strip(" \t")
         if not line or line.startswith("#"):
             continue
         where = f"{path}:{number}"
-        parts = _LABELLED.fullmatch(line)
-        parts = parts.groups() if parts else ()
-        if len(parts) != 2 or not _is_int(parts[1]):
+        image, label = _fields(line, root, where)
+        try:
+            rows.append((where, _listed(os.path.join(root, image), 0), label, line))
+        except DataError as err:
+            raise DataError(f"{where}: {err}") from None
+    if not rows:
+        raise DataError(f"{path}: the file list names no image")
+    if not _is_int(rows[0][2]):
+        return _named(rows, path, class_names)
+    files, largest = [], (-1, "")
+    for where, f, label, line in rows:
+        if not _is_int(label) and any(ch.isalpha() for ch in label):
+            raise DataError(f"{where}: label {label[:80]!r} names a class, but {rows[0][0]} has "
+                            f"a number ({rows[0][2]}): a list uses numbers or names, not both")
+        if not _is_int(label):
             raise DataError(f"{where}: expected 'path label' with an integer label, got "
                             f"{line[:80]!r}")
-        label = int(parts[1])
+        label = int(label)
         if label < 0 or (n_classes is not None and label >= n_classes):
             limit = f"0..{n_classes - 1}" if n_classes else ">= 0"
             raise DataError(f"{where}: label {label} is out of range (labels are {limit})")
         largest = max(largest, (label, where))
-        image = os.path.join(root, parts[0])
-        try:
-            files.append(_listed(image, label))
-        except DataError as err:
-            raise DataError(f"{where}: {err}") from None
-    if not files:
-        raise DataError(f"{path}: the file list names no image")
+        files.append(f._replace(label=label))
     if n_classes is None and largest[0] >= len(files):  # before anything is sized by it
         raise DataError(f"{largest[1]}: label {largest[0]} is out of range: the list names "
                         f"{len(files)} images, so with every class present labels are at most "
                         f"{len(files) - 1}")
-    return _labelled(tuple(files), path, n_classes)
+    listing = _labelled(tuple(files), path, n_classes)
+    return listing._replace(class_names=tuple(class_names)) if class_names else listing
+
+
+def _fields(line: str, root: str, where: str) -> tuple[str, str]:
+    """``(path, label)`` of one stripped line (see :func:`read_file_list`). Fields part at tabs,
+    else at spaces: never at the other characters ``str.split`` breaks on (VT, FF, U+2028),
+    which a path may hold."""
+    if "\t" in line:
+        parts = [p.strip(" ") for p in line.split("\t")]
+    else:
+        parts = [p for p in line.split(" ") if p]
+        if len(parts) > 2 and not os.path.isfile(os.path.join(root, parts[0])):
+            match = _LABELLED.fullmatch(line)  # a path with spaces: the label the last field
+            parts = list(match.groups()) if match else parts
+    if len(parts) < 2 or not parts[0] or not parts[1]:
+        raise DataError(f"{where}: expected 'path label' (an integer label or a class name), "
+                        f"got {line[:80]!r}")
+    return parts[0], parts[1]
+
+
+def _named(rows: list, path: str, class_names: tuple | None) -> Listing:
+    """A list labelled by class names: indices through ``class_names`` (else the sorted names)."""
+    numbered = [r for r in rows if _is_int(r[2])]
+    if numbered:
+        where, _, label, _ = numbered[0]
+        raise DataError(f"{where}: label {label!r} is a number, but {rows[0][0]} names a class "
+                        f"({rows[0][2]!r}): a list uses numbers or names, not both")
+    names = tuple(class_names) if class_names else tuple(sorted({r[2] for r in rows}))
+    index = {name: i for i, name in enumerate(names)}
+    files = []
+    for where, f, label, _ in rows:
+        if label not in index:
+            shown = ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5
+                                              else "")
+            raise DataError(f"{where}: class {label[:80]!r} is not one of the training classes "
+                            f"({shown})")
+        files.append(f._replace(label=index[label]))
+    if class_names is None and len(names) < 2:
+        raise DataError(f"{path}: a file list needs at least 2 classes, found only {names[0]!r}")
+    return Listing(tuple(files), names, path)
 
 
 # 'path label': the label is the last field after spaces or tabs; the path may hold spaces

@@ -97,13 +97,14 @@ def _val_listing(cfg: DataConfig, class_names: tuple) -> imagefolder.Listing:
         return imagefolder.list_folder(path, class_names)
     if not os.path.exists(path):
         raise DataError(f"data.val_source {cfg.val_source}: no such file or directory")
-    return imagefolder.read_file_list(path, cfg.image_root, n_classes=len(class_names))
+    return imagefolder.read_file_list(path, cfg.image_root, class_names=class_names)
 
 
 def _plan(train, val, cfg: DataConfig, kind: str, source: str, client) -> Plan:
     size = cfg.image_size or DEFAULT_SIZE
     if cfg.val_source:
         val = _val_listing(cfg, train.class_names)
+    skipped = {"train": dict(train.skipped), "val": dict(val.skipped) if val else {}}
     if val is None:
         train, val = imagefolder.split_listing(train, cfg.val_fraction,
                                                rng_for(cfg.split_seed, "split"))
@@ -113,7 +114,7 @@ def _plan(train, val, cfg: DataConfig, kind: str, source: str, client) -> Plan:
              size, cfg.max_pixels)
     info = {"class_counts": {"train": imagefolder.class_counts(train),
                              "val": imagefolder.class_counts(val)},
-            **imagefolder.summary(infos)}
+            "skipped": skipped, **imagefolder.summary(infos)}
     return Plan(_chunks(train.files, size, 1.0, cfg), _chunks(val.files, size,
                                                               imagefolder.EVAL_CROP, cfg),
                 train.class_names, tuple(int(c) for c in counts), ident, source,

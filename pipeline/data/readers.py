@@ -4,7 +4,7 @@ the ``Shard`` of data a replica trains on in one round.
 A reader turns a ``--data`` source into a :class:`Plan`: the chunks of each split (each with its
 image count ``n``), the class names, what the data is (``ident``, for the task tokens) and the
 task body that reads one chunk on a worker. ``pipeline.data.datasets`` tries the registered readers in
-order (synthetic, file list, image folder, CIFAR) and builds the same kind of graph from any of
+order (arrays given from Python, synthetic, file list, image folder, CIFAR) and builds the same kind of graph from any of
 them, so CIFAR python, CIFAR binary, image folders and file lists are peers.
 """
 from __future__ import annotations
@@ -28,6 +28,9 @@ class Plan(NamedTuple):
     info: dict | None = None  # extra fields for `inspect` (formats, sizes seen, ...)
     stream: object = None  # image sources: what decoding the training split again each epoch
     #                        needs (pipeline.data.images.Stream); None for in-memory sources
+    arrays: tuple | None = None  # data that is an array already (pipeline.data.arrays): the
+    #                              dataset's (images, labels, test images, test labels) dask arrays;
+    #                              ``read`` is then unused
 
 
 class Shard(NamedTuple):

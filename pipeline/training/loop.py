@@ -47,7 +47,7 @@ def _log_default(message: str) -> None:
 
 def train(config: Config, client=None, *, resume: bool = False, overwrite: bool = False,
           log: Callable[[str], None] | None = None, on_round: Callable[[dict], None] | None = None,
-          stop=None, hooks=()) -> TrainOutput:
+          stop=None, hooks=(), data=None) -> TrainOutput:
     """Train ``config`` on ``client`` (or on a LocalCluster/scheduler from ``config.cluster``).
 
     ``on_round`` is called with each round's metrics dict (live plots in notebooks). ``stop``
@@ -55,16 +55,20 @@ def train(config: Config, client=None, *, resume: bool = False, overwrite: bool 
     run finishes the rounds in flight, writes a checkpoint and raises
     :class:`pipeline.core.errors.Interrupted`. ``hooks``: extensions
     (:class:`pipeline.training.extensions.Extension`) or per-line hooks
-    (:mod:`pipeline.outputs.hooks`) besides the ones the config asks for. The data, the device
-    and a resumed checkpoint are checked before any cluster starts.
+    (:mod:`pipeline.outputs.hooks`) besides the ones the config asks for. ``data``: arrays or
+    Chainer datasets to train on instead of ``data.source`` (pipeline.data.arrays: Dask arrays
+    stay where their chunks are). The data, the device and a resumed checkpoint are checked
+    before any cluster starts.
     """
     log = log or _log_default
     config = prepare.normalise(config)
     out = outputs.prepare(config.out, resume, overwrite)
+    config, dataset, client = prepare.given_data(config, data, client, log)
     found = resuming.load(out, config.to_dict(), log) if resume else None
     # CIFAR and synthetic data are checked here, before a cluster starts; image folders and
     # file lists are checked by scan- tasks on the cluster.
-    dataset = prepare.load_dataset(config) if prepare.reads_on_driver(config) else None
+    if dataset is None and prepare.reads_on_driver(config):
+        dataset = prepare.load_dataset(config)
     gpus = prepare.check_device(config) if client is None else ()
     prep = prepare.plan(config, out, dataset, found) if dataset is not None else None
     if prep is not None and prep.complete:

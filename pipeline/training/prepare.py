@@ -65,6 +65,24 @@ def load_dataset(config: Config, client=None):
     return load(cfg.source, cfg, download=cfg.download, client=client)
 
 
+def given_data(config: Config, data, client, log):
+    """``train(config, data=...)``: ``(config, dataset, client)`` with the data checked and
+    summarised in the log (pipeline.data.arrays), ``data.source`` its fingerprint (so a resume
+    with other data is refused) and the client that holds persisted arrays when none is given.
+    ``(config, None, client)`` without data."""
+    if data is None:
+        return config, None, client
+    from pipeline.data import arrays
+    from pipeline.data.datasets import load_dataset as load
+    client = client if client is not None else arrays.client_of(data)
+    dataset = load(data, config.data, client=client)
+    n_train, n_test = (int(a.shape[0]) for a in (dataset.train_images, dataset.test_images))
+    for line in arrays.summary_lines(dataset.info, n_train, n_test,
+                                     dataset.train_images.shape[1:]):
+        log(line)
+    return config.replace(**{"data.source": dataset.source}), dataset, client
+
+
 def check_device(config: Config) -> list:
     """GPU ids for an embedded cluster; refuses ``--device gpu`` where it cannot work before a
     cluster starts (with ``--scheduler`` the workers' resources decide, after connecting)."""

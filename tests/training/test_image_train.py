@@ -44,6 +44,14 @@ def _empty_class(root: Path, tmp: Path) -> str:
     return str(root)
 
 
+def _only_notes(root: Path) -> str:
+    """A class folder holding only files that are skipped (a .txt, a .DS_Store)."""
+    (root / "class_2").mkdir()
+    (root / "class_2" / "notes.txt").write_text("hi")
+    (root / "class_2" / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    return str(root)
+
+
 def _single_class(root: Path, tmp: Path) -> str:
     shutil.rmtree(root / "class_1")
     return str(root)
@@ -71,8 +79,8 @@ BAD = [
      and str(r), "class_0/img_002.jpg: "),
     ("truncated image", _truncated, "img_003.jpg: corrupt or truncated image (image file is "
      "truncated"),
-    ("non-image file", lambda r, t: (r / "class_1" / "notes.txt").write_text("hi") and str(r),
-     "class_1/notes.txt: not an image file"),
+    ("only non-image files", lambda r, t: _only_notes(r), "class_2: empty class folder (no "
+     "image files: .jpg"),
     ("text named .jpg", lambda r, t: (r / "class_1" / "x.jpg").write_text("hi") and str(r),
      "x.jpg: not an image Pillow can read"),
     ("FIFO", _fifo, "pipe.jpg: not a regular file (a FIFO)"),

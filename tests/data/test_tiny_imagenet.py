@@ -1,0 +1,113 @@
+"""Data as people have it: a Tiny-ImageNet-shaped folder (boxes files, .DS_Store, a val split as
+a tab-separated list of class names) inspected and trained on as it ships; file lists labelled
+by class names."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pipeline.cli.parser import main
+from pipeline.core.config import DataConfig
+from pipeline.core.errors import DataError
+from pipeline.data import datasets as data
+from pipeline.data import imagefolder
+from pipeline.training.loop import train
+from tests.cli.test_bad_input import _train, scheduler  # noqa: F401 (fixture)
+from tests.helpers import make_config
+from tests.images import write_folder, write_tiny_imagenet
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_imagenet(tmp_path_factory.mktemp("t") / "tiny-imagenet-200")
+
+
+def _val(tiny, **fields) -> DataConfig:
+    return DataConfig(val_source=str(tiny / "val" / "val_annotations.txt"),
+                      image_root=str(tiny / "val" / "images"), image_size=32, **fields)
+
+
+def test_inspect_skips_boxes_and_hidden_files_and_counts_them(tiny):
+    info = data.inspect_dataset(str(tiny / "train"), cfg=_val(tiny))
+    assert (info["train"], info["test"], info["classes"]) == (18, 6, 3)
+    assert info["label_names"] == sorted(info["label_names"])
+    assert info["skipped"]["train"] == {".txt": 3, "hidden file": 4, "hidden folder": 1}  # in the classes
+    assert info["skipped"]["val"] == {}
+    assert info["class_counts"]["val"] == {w: 2 for w in info["label_names"]}
+    assert info["formats"] == {"JPEG": 24}
+
+
+def test_the_root_as_it_ships_finds_train_and_the_annotated_val(tiny):
+    info = data.inspect_dataset(str(tiny), cfg=DataConfig(image_size=32))
+    assert (info["train"], info["test"], info["classes"]) == (18, 6, 3)
+    assert info["class_counts"]["val"] == {w: 2 for w in info["label_names"]}
+
+
+def test_val_annotations_map_class_names_to_the_train_indices(tiny):
+    ds = data.load_dataset(str(tiny / "train"), _val(tiny))
+    _, _, _, ty = data.dataset_arrays(ds)
+    names = ds.label_names
+    lines = (tiny / "val" / "val_annotations.txt").read_text().splitlines()
+    assert [names[i] for i in ty] == [line.split("\t")[1] for line in lines]
+
+
+def test_cli_inspect_prints_the_skipped_counts(tiny, capsys):
+    code = main(["inspect", "--data", str(tiny / "train"), "--val-data",
+                 str(tiny / "val" / "val_annotations.txt"), "--image-root",
+                 str(tiny / "val" / "images")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert json.loads(out)["skipped"]["train"][".txt"] == 3
+
+
+def test_an_undecodable_file_named_as_an_image_is_still_refused(tmp_path):
+    root = write_folder(tmp_path / "f", classes=2, per_class=3)
+    (root / "class_1" / "notes.txt").write_text("skipped")
+    (root / "class_1" / "broken.JPEG").write_text("not a JPEG")
+    with pytest.raises(DataError, match=r"broken.JPEG: not an image Pillow can read") as err:
+        data.inspect_dataset(str(root))
+    assert "\n" not in str(err.value)
+
+
+def test_class_name_lists(tmp_path):
+    root = write_folder(tmp_path / "f", classes=2, per_class=4)
+    lines = [f"class_{c}/img_{i:03d}.jpg\tclass_{c}\textra 1\t2" for c in (1, 0) for i in range(4)]
+    (tmp_path / "train.tsv").write_text("\n".join(lines) + "\n")
+    listing = imagefolder.read_file_list(str(tmp_path / "train.tsv"), str(root))
+    assert listing.class_names == ("class_0", "class_1")  # sorted, as torchvision's
+    assert [f.label for f in listing.files] == [1] * 4 + [0] * 4
+    spaced = tmp_path / "val.txt"  # space separated, extra columns after an existing path
+    spaced.write_text("class_0/img_000.jpg class_1 10 20 30 40\n")
+    val = imagefolder.read_file_list(str(spaced), str(root), class_names=("class_0", "class_1"))
+    assert [f.label for f in val.files] == [1]
+    spaced.write_text("class_0/img_000.jpg n99\n")
+    with pytest.raises(DataError, match=r"val.txt:1: class 'n99' is not one of the training "
+                                        r"classes \(class_0, class_1\)"):
+        imagefolder.read_file_list(str(spaced), str(root), class_names=("class_0", "class_1"))
+    spaced.write_text("class_0/img_000.jpg 0\nclass_0/img_001.jpg class_1\n")
+    with pytest.raises(DataError, match="numbers or names, not both"):
+        imagefolder.read_file_list(str(spaced), str(root))
+
+
+def test_unknown_val_class_name_is_one_line_and_exit_2(tiny, tmp_path, capsys,
+                                                       scheduler):  # noqa: F811
+    bad = tmp_path / "val_annotations.txt"
+    bad.write_text((tiny / "val" / "val_annotations.txt").read_text() + "val_0.JPEG\tn0999\n")
+    line = _train(capsys, "--data", str(tiny / "train"), "--val-data", str(bad), "--image-root",
+                  str(tiny / "val" / "images"), "--image-size", "16", "--strategy", "single",
+                  "--no-progress", "--scheduler", scheduler, out=tmp_path / "out")
+    assert "val_annotations.txt:7: class 'n0999' is not one of the training classes" in line
+
+
+def test_trains_on_the_folder_as_it_ships(tiny, dask_client):
+    config = make_config({"data.source": str(tiny / "train"),
+                          "data.val_source": str(tiny / "val" / "val_annotations.txt"),
+                          "data.image_root": str(tiny / "val" / "images"),
+                          "data.image_size": 32, "model.name": "small-cnn",
+                          "train.strategy": "single", "train.replicas": 1, "train.batch_size": 6,
+                          "train.epochs": 1.0, "progress": False})
+    result = train(config, dask_client, log=lambda m: None)
+    assert result.history and result.model.fc.W.shape[0] == 3
+    assert np.isfinite(result.history[-1]["train_loss"])
