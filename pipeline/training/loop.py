@@ -45,9 +45,9 @@ def _log_default(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def train(config: Config, client=None, *, resume: bool = False, overwrite: bool = False,
-          log: Callable[[str], None] | None = None, on_round: Callable[[dict], None] | None = None,
-          stop=None, hooks=()) -> TrainOutput:
+def train(config: Config, client=None, *, model=None, resume: bool = False,
+          overwrite: bool = False, log: Callable[[str], None] | None = None,
+          on_round: Callable[[dict], None] | None = None, stop=None, hooks=()) -> TrainOutput:
     """Train ``config`` on ``client`` (or on a LocalCluster/scheduler from ``config.cluster``).
 
     ``on_round`` is called with each round's metrics dict (live plots in notebooks). ``stop``
@@ -57,16 +57,24 @@ def train(config: Config, client=None, *, resume: bool = False, overwrite: bool 
     (:class:`pipeline.training.extensions.Extension`) or per-line hooks
     (:mod:`pipeline.outputs.hooks`) besides the ones the config asks for. The data, the device
     and a resumed checkpoint are checked before any cluster starts.
+
+    ``model``: your own model, a class or callable returning a ``chainer.Link`` (keyword
+    arguments from ``model.args``; ``n_classes=`` when it takes it), or its import path
+    ``"pkg.module:factory"``; ``model.name`` records its path. A config naming an import path
+    needs it named here again (a run directory never makes us import code). It is checked by one
+    dry forward at the data's image size before any cluster starts.
     """
     log = log or _log_default
     config = prepare.normalise(config)
+    config, factory = prepare.user_model(config, model)
     out = outputs.prepare(config.out, resume, overwrite)
     found = resuming.load(out, config.to_dict(), log) if resume else None
     # CIFAR and synthetic data are checked here, before a cluster starts; image folders and
     # file lists are checked by scan- tasks on the cluster.
     dataset = prepare.load_dataset(config) if prepare.reads_on_driver(config) else None
     gpus = prepare.check_device(config) if client is None else ()
-    prep = prepare.plan(config, out, dataset, found) if dataset is not None else None
+    spec = prepare.resolve_model(config, factory, dataset)  # the contract, one dry forward
+    prep = prepare.plan(config, out, dataset, found, spec) if dataset is not None else None
     if prep is not None and prep.complete:
         return _already_complete(config, out, prep, log)
     from pipeline.cluster.connection import Roles, connect
@@ -78,7 +86,9 @@ def train(config: Config, client=None, *, resume: bool = False, overwrite: bool 
         blas.check(client, config.cluster.blas_kernel, log, restart=True,
                    timeout=max(60.0, config.cluster.connect_timeout))  # workers re-import
         if prep is None:
-            prep = prepare.plan(config, out, prepare.load_dataset(config, client), found)
+            dataset = prepare.load_dataset(config, client)
+            spec = prepare.resolve_model(config, factory, dataset)  # now with its class count
+            prep = prepare.plan(config, out, dataset, found, spec)
             if prep.complete:
                 return _already_complete(config, out, prep, log)
         # config.json says what was trained: the data's class count (100 for CIFAR-100)
@@ -102,7 +112,7 @@ def _already_complete(config: Config, out, prep: Prepared, log) -> TrainOutput:
     path = Path(out) / "metrics.jsonl"  # a torn or garbled line is skipped
     history = rundir.read_metrics(path, last_round=1 << 62) if path.exists() else []
     params = {k: v for k, v in prep.state.params[0].items() if not k.startswith("opt/")}
-    model = get_backend().to_model(config.model.name, prep.dataset.n_classes, params)
+    model = get_backend().to_model(prep.model, prep.dataset.n_classes, params)
     return TrainOutput(history, model, params, str(out), config, status="complete")
 
 
@@ -297,7 +307,7 @@ class _Loop:
     # ---- the end ---------------------------------------------------------------------------
     def _finish(self, state: HostState, info: RunInfo) -> TrainOutput:
         params = self.setup.strategy(self.ctx, self.setup.graph).final_params(state)
-        model = get_backend().to_model(self.config.model.name, self.ctx.n_classes, params)
+        model = get_backend().to_model(self.ctx.model_spec, self.ctx.n_classes, params)
         self.out.finish(params, self.history, len(self.rounds), curve_labels(info))
         path = self.out.path
         return TrainOutput(self.history, model, params, str(path) if path else None, self.config)
