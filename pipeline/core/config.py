@@ -123,6 +123,9 @@ class ModelConfig:
                                    "unpickling, every name, shape and dtype checked)",
                                    flag="--init-weights", metavar="NPZ", none="the run seed's")
     n_classes: int = opt(10, "output units; taken from the data when it says otherwise")
+    input_size: int = opt(0, "side of the square images the model was built at (a run records "
+                          "the data's; 0: not recorded): evaluate and load_model rebuild a "
+                          "model with lazily sized parameters there")
     cpu_kernels: str = opt("ours", "what runs convolution, pooling and BatchNorm on CPU workers "
                            "(ours: the NumPy kernels of pipeline.backends.chainer.cpu_kernels, "
                            "2.9-3.7x faster per step at batch 100, docs/benchmarks.md; chainer: "
@@ -132,6 +135,7 @@ class ModelConfig:
     def validate(self) -> None:
         check_types(self, "model.")
         in_range(self.n_classes, 2, 100_000, "model.n_classes")
+        in_range(self.input_size, 0, 1 << 16, "model.input_size")
         check(is_json_object(self.args), "model.args", "must be a JSON object", self.args)
         check(self.init_weights is None or self.init_weights != "", "model.init_weights",
                "must be a .npz path", self.init_weights)

@@ -92,7 +92,8 @@ def train(config: Config, client=None, *, model=None, resume: bool = False,
             if prep.complete:
                 return _already_complete(config, out, prep, log)
         # config.json says what was trained: the data's class count (100 for CIFAR-100)
-        config = config.replace(**{"model.n_classes": prep.dataset.n_classes})
+        config = config.replace(**{"model.n_classes": prep.dataset.n_classes,
+                                   "model.input_size": prepare.image_size(config, prep.dataset)[0]})
         run_dir = outputs.RunDir(out, config, log, strategies.get(config.train.strategy).files)
         try:
             return _run(client, run_dir, log, prep, stop, resume, overwrite,

@@ -46,9 +46,10 @@ def user_model(config: Config, model) -> tuple[Config, object]:
     import path ``"pkg.module:factory"``, imported now) recorded in ``model.name``, or
     ``(config, None)`` for a registry name. A config naming an import path (a run directory's
     config.json) with no ``model`` is one line saying which model to name: never imported."""
+    backend = get_backend()  # first: its framework, patched (Chainer on NumPy 2), before theirs
     if model is None:
         name = config.model.name
-        if name not in get_backend().model_names() and user_code.is_import_path(name):
+        if name not in backend.model_names() and user_code.is_import_path(name):
             raise user_code.needs_model(name)
         return config, None
     if isinstance(model, str):
@@ -60,6 +61,8 @@ def image_size(config: Config, dataset) -> tuple:
     """(H, W) of the images the model sees: the data's, else what an image reader will make."""
     if dataset is not None:
         return tuple(int(s) for s in dataset.train_images.shape[2:])
+    if config.model.input_size:  # recorded by the run (evaluate, load_model)
+        return config.model.input_size, config.model.input_size
     from pipeline.data.images import DEFAULT_SIZE
     side = config.data.image_size or DEFAULT_SIZE
     return side, side
