@@ -75,6 +75,10 @@ class Backend(Protocol):
         """On a worker: (None, one line on the framework's CUDA stack), or (why it cannot use
         the GPU there, "")."""
 
+    def check_optimizer(self, train: Any) -> None:
+        """UsageError (one line) when ``train`` (the config's train section) names an optimizer
+        the framework lacks, or arguments it does not take; before any cluster starts."""
+
     def check_model(self, model: "str | ModelRef") -> "str | ModelRef":
         """``model`` if the backend builds it, else ValueError naming the field and the choices."""
 

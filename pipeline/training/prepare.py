@@ -28,7 +28,9 @@ def normalise(config: Config) -> Config:
     aug.get_policy(config.augment.policy)  # ValueError naming augment.policy
     strategy = strategies.get(config.train.strategy)
     strategy.check(config)
-    return strategy.resolve(config)
+    config = strategy.resolve(config)
+    get_backend().check_optimizer(config.train)  # its name and arguments, one line
+    return config
 
 
 def dataset_label(source: str) -> str:

@@ -168,6 +168,18 @@ class ChainerBackend:
         reason = compat.cuda_status(check_device=True)
         return (reason, "") if reason else (None, compat.cuda_summary())
 
+    def check_optimizer(self, train) -> None:
+        from pipeline.core.errors import UsageError, one_line
+        try:
+            make_optimizer(train.optimizer, train.lr, train.momentum, train.weight_decay,
+                           (train.beta1, train.beta2), train.adam_eps, train.optimizer_args,
+                           train.grad_clip)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        except TypeError as exc:
+            raise UsageError(f"train.optimizer_args do not fit {train.optimizer}: "
+                             f"{one_line(exc, kind=False, limit=200)}") from None
+
     def check_model(self, model):
         from pipeline.backends.chainer.user_models import ZOO
         from pipeline.backends.user import is_import_path
