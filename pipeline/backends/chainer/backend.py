@@ -185,8 +185,10 @@ class ChainerBackend:
         from pipeline.backends.user import is_import_path
         if isinstance(model, ModelRef) or model in ZOO or is_import_path(model):
             return model
-        from pipeline.backends.chainer.models import check_model_name
-        return check_model_name(model)
+        if model not in self.model_names():
+            raise ValueError(f"model.name must be one of {list(self.model_names())} or "
+                             f"pkg.module:factory (your own), got {str(model)[:80]!r}")
+        return model
 
     def to_model(self, model, n_classes: int, params: State):
         return set_state(build(model, n_classes), params)
