@@ -97,7 +97,7 @@ def saved_config(run: Path) -> Config:
 
 
 def _run_train(args) -> int:
-    from pipeline.backends.user import is_import_path
+    from pipeline.backends import user as user_code
     from pipeline.outputs import dashboard
     from pipeline.core.interrupt import graceful_stop
     from pipeline.training.loop import train
@@ -110,7 +110,7 @@ def _run_train(args) -> int:
         print(f"output: {config.out} (--out)", file=sys.stderr, flush=True)
     page = dashboard.DashboardEvents(run=Path(config.out).name)  # the /training page of this run
     named = options.given(args, TRAIN_OPTIONS).get("model.name")
-    model = named if named and is_import_path(named) else None  # imported: the user named it
+    model = named if named and user_code.is_import_path(named) else None  # the user named it
     with graceful_stop() as stop, dashboard.dashboard_log(Path(config.out) / "dashboard.log"):
         result = train(config, model=model, resume=bool(args.resume), overwrite=args.overwrite,
                        stop=stop, hooks=[page])

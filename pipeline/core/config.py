@@ -27,7 +27,7 @@ LABEL_KINDS = ("fine", "coarse")
 MAX_EPOCHS = 100_000.0
 MAX_REPLICAS = 4096  # also what a checkpoint may hold (pipeline.outputs.checkpoint.MAX_REPLICAS)
 DAY_S = 86_400.0  # longest timeout: a day
-_OPTIMIZER = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")  # a class name in chainer.optimizers
+_OPTIMIZER = re.compile(r"^[A-Z][A-Za-z0-9_]{0,63}$")  # a class name: chainer.optimizers.RMSprop
 _KERNEL = re.compile(r"^[A-Za-z][A-Za-z0-9_]{1,31}$")  # an OPENBLAS_CORETYPE value
 
 
@@ -215,8 +215,9 @@ class TrainConfig:
         check(self.batch_size >= 1, "train.batch_size", "must be >= 1", self.batch_size)
         check(self.batch_size <= 1 << 20, "train.batch_size", "must be <= 1048576",
                self.batch_size)
-        check(bool(_OPTIMIZER.match(self.optimizer)), "train.optimizer",
-               f"must be one of {OPTIMIZERS} or a class name of chainer.optimizers",
+        check(self.optimizer in OPTIMIZERS or bool(_OPTIMIZER.match(self.optimizer)),
+               "train.optimizer", f"must be one of {OPTIMIZERS} or a class name of "
+               f"chainer.optimizers (RMSprop, AdaGrad, ...)",
                self.optimizer)
         check(is_json_object(self.optimizer_args), "train.optimizer_args",
                "must be a JSON object", self.optimizer_args)

@@ -54,11 +54,11 @@ def evaluate_weights(model_name, weights: str, source: str, tta: bool = False,
     image source's val split); ``data``: the DataConfig that says how to read it.
     ``model_name``: a registry name, or an import path the user named (imported, with
     ``model_args``, and checked at the data's image size)."""
-    from pipeline.backends.user import is_import_path
+    from pipeline.backends import user as user_code
     from pipeline.data.datasets import load_dataset
     ds = load_dataset(source, data)
     if isinstance(model_name, str):
-        factory = model_name if is_import_path(model_name) else None
+        factory = model_name if user_code.is_import_path(model_name) else None
         model_name = get_backend().resolve_model(model_name, model_args, factory,
                                                  tuple(ds.test_images.shape[2:]), ds.n_classes)
     params = read_weights(model_name, weights, ds.n_classes)
