@@ -51,6 +51,7 @@ class ZooNet(chainer.Chain):
         with self.init_scope():
             self.net = getattr(L, cls_name)(pretrained_model=None)
             old = getattr(self.net, self.head)
+            delattr(self.net, self.head)
             with self.net.init_scope():
                 setattr(self.net, self.head, L.Linear(old.W.shape[1], n_classes))
 
