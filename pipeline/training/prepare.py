@@ -140,6 +140,8 @@ def plan(config: Config, out, dataset, found: "resuming.Resume | None",
     rounds, per_epoch, period = strategy.plan(config, n_train, done)
     if state is not None:
         _check_resumed(config, out, state, dataset.n_classes, model)
+    elif config.model.init_weights is not None:  # read and checked now, before a cluster
+        initial_params(config, dataset.n_classes, model)
     if state is not None and len(done) == len(rounds):
         trained = (done[-1].global_step + done[-1].steps) / per_epoch
         if trained > config.train.epochs + 1e-9:
