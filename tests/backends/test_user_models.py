@@ -62,7 +62,8 @@ def test_a_factory_travels_by_value_to_a_process_without_its_module(tmp_path):
     (tmp_path / "ref.pkl").write_bytes(blob)
     check = ("import pickle, sys; ref = pickle.load(open(sys.argv[1], 'rb')); "
              "from pipeline.backends import get_backend; "
-             "p = get_backend().init_params(ref, 4, 0); print(sorted((k, v.shape) for k, v in p.items()))")
+             "p = get_backend().init_params(ref, 4, 0); "
+             "print(sorted((k, v.shape) for k, v in p.items()))")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-c", check, str(tmp_path / "ref.pkl")],
                           capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=120)

@@ -127,8 +127,8 @@ def test_interrupted_and_resumed_equals_uninterrupted(user_module, dask_client, 
     assert_same_bits(get_state(model), whole.params)
 
 
-@pytest.mark.parametrize("optimizer, args", [("RMSprop", '{"alpha": 0.9}'),
-                                             ("AdaGrad", '{}'), ("AdamW", '{"weight_decay_rate": 0.01}')])
+@pytest.mark.parametrize("optimizer, args", [("RMSprop", '{"alpha": 0.9}'), ("AdaGrad", '{}'),
+                                             ("AdamW", '{"weight_decay_rate": 0.01}')])
 def test_any_chainer_optimizer_with_its_state_averaged(user_module, dask_client, tmp_path,
                                                        optimizer, args):
     cfg = make_config(BASE, **{"train.strategy": "ipm", "train.replicas": 2,
