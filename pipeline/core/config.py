@@ -116,7 +116,7 @@ class ModelConfig:
                     "'Your own model'); config.json records it, and a resume or evaluate of the "
                     "run needs it named again", flag="--model", metavar="NAME")
     args: str = opt("{}", "keyword arguments of a pkg.module:factory model, a JSON object "
-                    "(n_classes= is passed too when the factory accepts it)",
+                    "(n_classes= is passed too when the factory names that parameter)",
                     flag="--model-args", metavar="JSON")
     init_weights: str | None = opt(None, "start from the weights in this .npz (a model.npz or "
                                    "Chainer's save_npz of the same model; read without "
