@@ -18,10 +18,10 @@ def train(config, client=None, **kwargs):
     return _train(config, client=client, **kwargs)
 
 
-def load_model(out):
+def load_model(out, model=None):
     """The trained model of a run directory; see pipeline.training.evaluate.load_model."""
     from pipeline.training.evaluate import load_model as _load_model
-    return _load_model(out)
+    return _load_model(out, model)
 
 
 __all__ = ["Config", "DataConfig", "AugmentConfig", "ModelConfig", "TrainConfig", "AverageConfig",

@@ -13,10 +13,11 @@ REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 EXECUTED = REPO / "test-artifacts" / "notebooks"  # executed copies, for looking at after CI
 TIMEOUT_S = 300  # per cell; each notebook takes ~1-2 minutes on 2 cores
-NAMES = ["01-quickstart.ipynb", "02-strategies.ipynb", "03-cluster.ipynb"]
+NAMES = ["01-quickstart.ipynb", "02-strategies.ipynb", "03-cluster.ipynb",
+         "04-your-model.ipynb"]
 
 
-def test_the_three_notebooks_exist():
+def test_the_notebooks_exist():
     assert [p.name for p in NOTEBOOKS] == NAMES
 
 

@@ -18,6 +18,34 @@ DEVICES = ("cpu", "gpu")
 BACKENDS = {"chainer": "pipeline.backends.chainer.backend"}  # name -> module exposing BACKEND
 
 
+class ModelRef(NamedTuple):
+    """A model the registry does not name: the user's factory (or one of the framework's own
+    architectures) with its keyword arguments, checked on the driver and shipped to the tasks.
+
+    ``factory`` travels with the task (cloudpickle: a class from ``__main__`` or from a module
+    outside site-packages by value, an installed package's by reference); ``token`` identifies
+    the built model in a worker's per-thread cache, so a factory pickled by value is built once
+    per thread and not once per task. ``path`` is what ``config.json`` records
+    (``"pkg.module:factory"``), ``args`` the keyword arguments as JSON text, ``size`` the
+    (H, W) the model was checked at (lazily sized parameters are materialised there)."""
+    path: str
+    factory: Any
+    args: str  # JSON object: keyword arguments of the factory
+    size: tuple  # (H, W) of the data's images
+    takes_n_classes: bool  # the factory accepts n_classes=
+    token: str  # hash of (path, args, size, pickled factory)
+    global_rng: bool = True  # may draw from Chainer's / NumPy's global RNG (F.dropout, initializers)
+
+
+def model_label(model) -> str:
+    """The name a log line or a title gives a model: its registry name or its import path.
+
+    >>> model_label("small-cnn")
+    'small-cnn'
+    """
+    return model if isinstance(model, str) else model.path
+
+
 class StepStats(NamedTuple):
     """What a run of local steps reports: summed loss, correct predictions, images, finiteness."""
     loss_sum: float
@@ -35,11 +63,23 @@ class Backend(Protocol):
     def model_names(self) -> tuple[str, ...]:
         """The models the backend builds by name (its registry)."""
 
+    def resolve_model(self, name: str, args: str, factory: Any, size: tuple,
+                      n_classes: int) -> "str | ModelRef":
+        """The model a run trains: a registry name as it is, else a ``ModelRef`` for ``factory``
+        (a callable, or an import path ``"pkg.module:factory"`` the user named: imported here)
+        or for one of the framework's own architectures, checked by one dry forward of a tiny
+        batch at ``size``; UsageError (one line) naming what failed. ``name`` from a config
+        file alone is never imported."""
+
     def gpu_report(self) -> tuple[str | None, str]:
         """On a worker: (None, one line on the framework's CUDA stack), or (why it cannot use
         the GPU there, "")."""
 
-    def check_model(self, model: str) -> str:
+    def check_optimizer(self, train: Any) -> None:
+        """UsageError (one line) when ``train`` (the config's train section) names an optimizer
+        the framework lacks, or arguments it does not take; before any cluster starts."""
+
+    def check_model(self, model: "str | ModelRef") -> "str | ModelRef":
         """``model`` if the backend builds it, else ValueError naming the field and the choices."""
 
     def to_model(self, model: str, n_classes: int, params: State) -> Any:

@@ -45,7 +45,8 @@ def add_subcommands(sub) -> None:
     e.add_argument("--run", metavar="OUT", help="a run directory written by train")
     model = e.add_argument("--model", metavar="NAME")
     model.help = options.defer(lambda: "model of --weights: " + " | ".join(
-        options.choices("model.name")))
+        options.choices("model.name")) + ", or pkg.module:factory (your own; with --run, the "
+        "run's own model named again)")
     e.add_argument("--weights", metavar="NPZ", help="a model.npz written by train")
     e.add_argument("--data", metavar="SOURCE", help="test data (default with --run: the run's)")
     options.add_options(e, options.pick("train.tta"))
@@ -96,6 +97,7 @@ def saved_config(run: Path) -> Config:
 
 
 def _run_train(args) -> int:
+    from pipeline.backends import user as user_code
     from pipeline.outputs import dashboard
     from pipeline.core.interrupt import graceful_stop
     from pipeline.training.loop import train
@@ -107,10 +109,12 @@ def _run_train(args) -> int:
         config = config.replace(out=default_out(config.train.strategy))
         print(f"output: {config.out} (--out)", file=sys.stderr, flush=True)
     page = dashboard.DashboardEvents(run=Path(config.out).name)  # the /training page of this run
+    named = options.given(args, TRAIN_OPTIONS).get("model.name")
+    model = named if named and user_code.is_import_path(named) else None  # the user named it
     with graceful_stop() as stop, dashboard.dashboard_log(Path(config.out) / "dashboard.log"):
         stop.in_setup = True  # a signal stops at once until the rounds start
-        result = train(config, resume=bool(args.resume), overwrite=args.overwrite, stop=stop,
-                       hooks=[page])
+        result = train(config, model=model, resume=bool(args.resume), overwrite=args.overwrite,
+                       stop=stop, hooks=[page])
     if result.status == "complete":
         return 0
     print(summary_line(result))
@@ -143,13 +147,17 @@ def summary_line(result) -> str:
 def _run_evaluate(args) -> int:
     from pipeline.training.evaluate import evaluate_weights, load_model, run_config
     from pipeline.outputs.fs import dumps
+    model_args = "{}"
     if args.run:
-        if args.model or args.weights:
-            raise UsageError("evaluate: give either --run OUT or --model with --weights")
+        if args.weights:
+            raise UsageError("evaluate: give either --run OUT (with --model for a run of your "
+                             "own model) or --model with --weights")
         config = run_config(args.run)
-        load_model(args.run)  # one line for a run without model.npz, before any data is read
+        # one line for a run without model.npz, or of your own model not named by --model
+        load_model(args.run, args.model)
         args.model, args.weights = config.model.name, str(Path(args.run) / "model.npz")
         args.data = args.data or config.data.source
+        model_args = config.model.args
     missing = [f for f, v in (("--model", args.model), ("--weights", args.weights),
                               ("--data", args.data)) if not v]
     if missing:
@@ -157,7 +165,8 @@ def _run_evaluate(args) -> int:
                          f"(missing {', '.join(missing)})")
     data = _evaluate_data_config(args)
     tta = bool(getattr(args, "train.tta"))
-    print(dumps(evaluate_weights(args.model, args.weights, args.data, tta=tta, data=data)))
+    print(dumps(evaluate_weights(args.model, args.weights, args.data, tta=tta, data=data,
+                                 model_args=model_args)))
     return 0
 
 

@@ -27,6 +27,7 @@ LABEL_KINDS = ("fine", "coarse")
 MAX_EPOCHS = 100_000.0
 MAX_REPLICAS = 4096  # also what a checkpoint may hold (pipeline.outputs.checkpoint.MAX_REPLICAS)
 DAY_S = 86_400.0  # longest timeout: a day
+_OPTIMIZER = re.compile(r"^[A-Z][A-Za-z0-9_]{0,63}$")  # a class name: chainer.optimizers.RMSprop
 _KERNEL = re.compile(r"^[A-Za-z][A-Za-z0-9_]{1,31}$")  # an OPENBLAS_CORETYPE value
 
 
@@ -109,9 +110,22 @@ class AugmentConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = opt("small-cnn", "the model (small-cnn: 15 k parameters, fast on a CPU; "
-                    "wide-mlp: a 100.9 MB state for communication experiments)", flag="--model",
-                    metavar="NAME")
+                    "wide-mlp: a 100.9 MB state for communication experiments; resnet50, vgg16, "
+                    "googlenet: Chainer's architectures, random init, a fresh head), or your own: "
+                    "pkg.module:factory, a class or callable returning a chainer.Link (README, "
+                    "'Your own model'); config.json records it, and a resume or evaluate of the "
+                    "run needs it named again", flag="--model", metavar="NAME")
+    args: str = opt("{}", "keyword arguments of a pkg.module:factory model, a JSON object "
+                    "(n_classes= is passed too when the factory names that parameter)",
+                    flag="--model-args", metavar="JSON")
+    init_weights: str | None = opt(None, "start from the weights in this .npz (a model.npz or "
+                                   "Chainer's save_npz of the same model; read without "
+                                   "unpickling, every name, shape and dtype checked)",
+                                   flag="--init-weights", metavar="NPZ", none="the run seed's")
     n_classes: int = opt(10, "output units; taken from the data when it says otherwise")
+    input_size: int = opt(0, "side of the square images the model was built at (a run records "
+                          "the data's; 0: not recorded): evaluate and load_model rebuild a "
+                          "model with lazily sized parameters there")
     cpu_kernels: str = opt("ours", "what runs convolution, pooling and BatchNorm on CPU workers "
                            "(ours: the NumPy kernels of pipeline.backends.chainer.cpu_kernels, "
                            "2.9-3.7x faster per step at batch 100, docs/benchmarks.md; chainer: "
@@ -121,6 +135,10 @@ class ModelConfig:
     def validate(self) -> None:
         check_types(self, "model.")
         in_range(self.n_classes, 2, 100_000, "model.n_classes")
+        in_range(self.input_size, 0, 1 << 16, "model.input_size")
+        check(is_json_object(self.args), "model.args", "must be a JSON object", self.args)
+        check(self.init_weights is None or self.init_weights != "", "model.init_weights",
+               "must be a .npz path", self.init_weights)
         check(self.cpu_kernels in CPU_KERNELS, "model.cpu_kernels",
                f"must be one of {CPU_KERNELS}", self.cpu_kernels)
 
@@ -142,8 +160,11 @@ class TrainConfig:
                         unit="epochs")
     batch_size: int = opt(64, "images per replica per step (B); gradient's global batch is K x B",
                           flag="--batch-size", metavar="B", unit="images")
-    optimizer: str = opt("momentum", "the replicas' optimizer", flag="--optimizer",
-                         metavar="NAME", choices=OPTIMIZERS)
+    optimizer: str = opt("momentum", "the replicas' optimizer: sgd, momentum, adam, or any "
+                         "class of chainer.optimizers by name (RMSprop, AdaGrad, AdamW, ...)",
+                         flag="--optimizer", metavar="NAME")
+    optimizer_args: str = opt("{}", "keyword arguments of the optimizer, a JSON object (its "
+                              "learning rate is --lr)", flag="--optimizer-args", metavar="JSON")
     lr: float = opt(0.01, "learning rate of each replica (adam: alpha), before scaling and "
                     "warmup; small-cnn with momentum learns at 0.01 to 0.02, not at 0.05",
                     flag="--lr", metavar="LR")
@@ -151,6 +172,9 @@ class TrainConfig:
                           metavar="M")
     weight_decay: float = opt(0.0, "L2 penalty coefficient, applied by the optimizer",
                               flag="--weight-decay", metavar="WD")
+    grad_clip: float = opt(0.0, "rescale the gradient to this L2 norm when it is longer "
+                           "(Chainer's GradientClipping hook; 0: off)", flag="--grad-clip",
+                           metavar="NORM")
     beta1: float | None = opt(None, "Adam's first-moment decay", flag="--beta1", metavar="B")
     beta2: float | None = opt(None, "Adam's second-moment decay", flag="--beta2", metavar="B")
     adam_eps: float | None = opt(None, "Adam's epsilon", flag="--adam-eps", metavar="EPS")
@@ -191,8 +215,13 @@ class TrainConfig:
         check(self.batch_size >= 1, "train.batch_size", "must be >= 1", self.batch_size)
         check(self.batch_size <= 1 << 20, "train.batch_size", "must be <= 1048576",
                self.batch_size)
-        check(self.optimizer in OPTIMIZERS, "train.optimizer", f"must be one of {OPTIMIZERS}",
+        check(self.optimizer in OPTIMIZERS or bool(_OPTIMIZER.match(self.optimizer)),
+               "train.optimizer", f"must be one of {OPTIMIZERS} or a class name of "
+               f"chainer.optimizers (RMSprop, AdaGrad, ...)",
                self.optimizer)
+        check(is_json_object(self.optimizer_args), "train.optimizer_args",
+               "must be a JSON object", self.optimizer_args)
+        check(self.grad_clip >= 0, "train.grad_clip", "must be >= 0", self.grad_clip)
         check(self.lr > 0, "train.lr", "must be > 0", self.lr)
         check(0 <= self.momentum < 1, "train.momentum", "must be in [0, 1)", self.momentum)
         check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0", self.weight_decay)
@@ -208,6 +237,18 @@ class TrainConfig:
         check(self.warmup_epochs is None or self.warmup_epochs >= 0, "train.warmup_epochs",
                "must be >= 0", self.warmup_epochs)
         check(self.device in DEVICES, "train.device", f"must be one of {DEVICES}", self.device)
+
+
+def is_json_object(text: str) -> bool:
+    """Whether ``text`` is a JSON object (the form of --model-args and --optimizer-args).
+
+    >>> is_json_object('{"width": 2}'), is_json_object("[1]"), is_json_object("{")
+    (True, False, False)
+    """
+    try:
+        return isinstance(json.loads(text), dict) and len(text) <= 100_000
+    except (ValueError, RecursionError):
+        return False
 
 
 _MIX_RE = re.compile(r"^(\d{1,9})(ep)?$")  # nine digits: a billion steps is past any plan

@@ -6,14 +6,15 @@ from pathlib import Path
 
 import dask
 
-from pipeline.backends import get_backend
+from pipeline.backends import get_backend, model_label
 from pipeline.core import keys, npz
 from pipeline.core.errors import DataError, UsageError
 from pipeline.training import tasks
 
 
-def read_weights(model_name: str, weights: str, n_classes: int) -> dict:
-    """The state dict in ``weights`` (a ``model.npz``), checked against the registry model.
+def read_weights(model_name, weights: str, n_classes: int) -> dict:
+    """The state dict in ``weights`` (a ``model.npz``), checked against the model (a registry
+    name or a resolved ``ModelRef``: ``model_of``).
 
     Read with our own ``.npz`` reader (``pipeline.core.npz``: no pickles, sizes checked first),
     never Chainer's ``load_npz``, which unpickles. DataError for a file that is not a readable
@@ -24,22 +25,42 @@ def read_weights(model_name: str, weights: str, n_classes: int) -> dict:
     try:
         return backend.load_weights(model_name, n_classes, weights)
     except npz.Mismatch as exc:
-        raise UsageError(f"weights {weights} do not fit model {model_name} ({n_classes} "
-                         f"classes): {exc.reason}") from None
+        raise UsageError(f"weights {weights} do not fit model {model_label(model_name)} "
+                         f"({n_classes} classes): {exc.reason}") from None
 
 
-def load_weights(model_name: str, weights: str, n_classes: int):
-    """The registry model (a Chainer Link) with the weights of ``weights``; see read_weights."""
+def model_of(config, model, n_classes: int):
+    """What to build for ``config``'s model: its registry name, or (for the user's code, only
+    when ``model`` names it again: a run directory never imports code) a checked ``ModelRef``
+    at the size the run recorded."""
+    from pipeline.training import prepare
+    recorded = config.model.name
+    config, factory = prepare.user_model(config, model)
+    if config.model.name != recorded:
+        raise UsageError(f"this run's model is {recorded[:120]}, not {config.model.name[:120]}")
+    return get_backend().resolve_model(config.model.name, config.model.args, factory,
+                                       prepare.image_size(config, None), n_classes)
+
+
+def load_weights(model_name, weights: str, n_classes: int):
+    """The model (a Chainer Link) with the weights of ``weights``; see read_weights."""
     params = read_weights(model_name, weights, n_classes)
     return get_backend().to_model(model_name, n_classes, params)
 
 
-def evaluate_weights(model_name: str, weights: str, source: str, tta: bool = False,
-                     chunk: int = 1000, data=None) -> dict:
+def evaluate_weights(model_name, weights: str, source: str, tta: bool = False,
+                     chunk: int = 1000, data=None, model_args: str = "{}") -> dict:
     """``{"test_loss", "test_acc", "n"}`` of the weights on the test split of ``source`` (an
-    image source's val split); ``data``: the DataConfig that says how to read it."""
+    image source's val split); ``data``: the DataConfig that says how to read it.
+    ``model_name``: a registry name, or an import path the user named (imported, with
+    ``model_args``, and checked at the data's image size)."""
+    from pipeline.backends import user as user_code
     from pipeline.data.datasets import load_dataset
     ds = load_dataset(source, data)
+    if isinstance(model_name, str):
+        factory = model_name if user_code.is_import_path(model_name) else None
+        model_name = get_backend().resolve_model(model_name, model_args, factory,
+                                                 tuple(ds.test_images.shape[2:]), ds.n_classes)
     params = read_weights(model_name, weights, ds.n_classes)
     spec = tasks.EvalSpec(model_name, ds.n_classes, tta)
     images = ds.test_images.rechunk({0: chunk}).to_delayed().ravel()
@@ -71,9 +92,11 @@ def _n_classes(out: Path, config) -> int:
         return config.model.n_classes
 
 
-def load_model(out: str | Path):
+def load_model(out: str | Path, model=None):
     """The trained model of run directory ``out``: a Chainer Link of the architecture named in
-    ``OUT/config.json`` holding the weights of ``OUT/model.npz``, ready for inference::
+    ``OUT/config.json`` holding the weights of ``OUT/model.npz``, ready for inference. A run of
+    your own model needs it named again: ``model=`` the class or callable, or its import path
+    (config.json alone never makes us import code)::
 
         from pipeline import load_model
         model = load_model("runs/ipm")
@@ -92,4 +115,5 @@ def load_model(out: str | Path):
         hint = (f"; its latest checkpoint's weights: {latest[-1][1] / 'model.npz'}" if latest
                 else "")
         raise DataError(f"{out} has no model.npz: the run has not finished{hint}")
-    return load_weights(config.model.name, str(weights), _n_classes(out, config))
+    n_classes = _n_classes(out, config)
+    return load_weights(model_of(config, model, n_classes), str(weights), n_classes)

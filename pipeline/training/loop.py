@@ -45,9 +45,9 @@ def _log_default(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def train(config: Config, client=None, *, resume: bool = False, overwrite: bool = False,
-          log: Callable[[str], None] | None = None, on_round: Callable[[dict], None] | None = None,
-          stop=None, hooks=(), data=None) -> TrainOutput:
+def train(config: Config, client=None, *, model=None, data=None, resume: bool = False,
+          overwrite: bool = False, log: Callable[[str], None] | None = None,
+          on_round: Callable[[dict], None] | None = None, stop=None, hooks=()) -> TrainOutput:
     """Train ``config`` on ``client`` (or on a LocalCluster/scheduler from ``config.cluster``).
 
     ``on_round`` is called with each round's metrics dict (live plots in notebooks). ``stop``
@@ -55,13 +55,21 @@ def train(config: Config, client=None, *, resume: bool = False, overwrite: bool 
     run finishes the rounds in flight, writes a checkpoint and raises
     :class:`pipeline.core.errors.Interrupted`. ``hooks``: extensions
     (:class:`pipeline.training.extensions.Extension`) or per-line hooks
-    (:mod:`pipeline.outputs.hooks`) besides the ones the config asks for. ``data``: arrays or
-    Chainer datasets to train on instead of ``data.source`` (pipeline.data.arrays: Dask arrays
-    stay where their chunks are). The data, the device and a resumed checkpoint are checked
-    before any cluster starts.
+    (:mod:`pipeline.outputs.hooks`) besides the ones the config asks for. The data, the device
+    and a resumed checkpoint are checked before any cluster starts.
+
+    ``model``: your own model, a class or callable returning a ``chainer.Link`` (keyword
+    arguments from ``model.args``; ``n_classes=`` when it takes it), or its import path
+    ``"pkg.module:factory"``; ``model.name`` records its path. A config naming an import path
+    needs it named here again (a run directory never makes us import code). It is checked by one
+    dry forward at the data's image size before any cluster starts.
+
+    ``data``: arrays or Chainer datasets to train on instead of ``data.source``
+    (pipeline.data.arrays: Dask arrays stay where their chunks are).
     """
     log = log or _log_default
     config = prepare.normalise(config)
+    config, factory = prepare.user_model(config, model)
     out = outputs.prepare(config.out, resume, overwrite)
     config, dataset, client = prepare.given_data(config, data, client, log)
     found = resuming.load(out, config.to_dict(), log) if resume else None
@@ -70,7 +78,8 @@ def train(config: Config, client=None, *, resume: bool = False, overwrite: bool 
     if dataset is None and prepare.reads_on_driver(config):
         dataset = prepare.load_dataset(config)
     gpus = prepare.check_device(config) if client is None else ()
-    prep = prepare.plan(config, out, dataset, found) if dataset is not None else None
+    spec = prepare.resolve_model(config, factory, dataset)  # the contract, one dry forward
+    prep = prepare.plan(config, out, dataset, found, spec) if dataset is not None else None
     if prep is not None and prep.complete:
         return _already_complete(config, out, prep, log)
     from pipeline.cluster.connection import Roles, connect
@@ -82,11 +91,14 @@ def train(config: Config, client=None, *, resume: bool = False, overwrite: bool 
         blas.check(client, config.cluster.blas_kernel, log, restart=True,
                    timeout=max(60.0, config.cluster.connect_timeout))  # workers re-import
         if prep is None:
-            prep = prepare.plan(config, out, prepare.load_dataset(config, client), found)
+            dataset = prepare.load_dataset(config, client)
+            spec = prepare.resolve_model(config, factory, dataset)  # now with its class count
+            prep = prepare.plan(config, out, dataset, found, spec)
             if prep.complete:
                 return _already_complete(config, out, prep, log)
         # config.json says what was trained: the data's class count (100 for CIFAR-100)
-        config = config.replace(**{"model.n_classes": prep.dataset.n_classes})
+        config = config.replace(**{"model.n_classes": prep.dataset.n_classes,
+                                   "model.input_size": prepare.image_size(config, prep.dataset)[0]})
         run_dir = outputs.RunDir(out, config, log, strategies.get(config.train.strategy).files)
         try:
             return _run(client, run_dir, log, prep, stop, resume, overwrite,
@@ -107,7 +119,7 @@ def _already_complete(config: Config, out, prep: Prepared, log) -> TrainOutput:
     history = (rundir.read_metrics(path, last_round=1 << 62, rounds=len(prep.rounds))
                if path.exists() else [])
     params = {k: v for k, v in prep.state.params[0].items() if not k.startswith("opt/")}
-    model = get_backend().to_model(config.model.name, prep.dataset.n_classes, params)
+    model = get_backend().to_model(prep.model, prep.dataset.n_classes, params)
     return TrainOutput(history, model, params, str(out), config, status="complete")
 
 
@@ -309,7 +321,7 @@ class _Loop:
     # ---- the end ---------------------------------------------------------------------------
     def _finish(self, state: HostState, info: RunInfo) -> TrainOutput:
         params = self.setup.strategy(self.ctx, self.setup.graph).final_params(state)
-        model = get_backend().to_model(self.config.model.name, self.ctx.n_classes, params)
+        model = get_backend().to_model(self.ctx.model_spec, self.ctx.n_classes, params)
         self.out.finish(params, self.history, len(self.rounds), curve_labels(info))
         path = self.out.path
         return TrainOutput(self.history, model, params, str(path) if path else None, self.config)

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import augment as aug
 from pipeline.averaging import exact as averaging
 from pipeline.backends import get_backend
+from pipeline.backends import user as user_code
 from pipeline.core.config import Config
 from pipeline.core.errors import ResumeError, UsageError
 from pipeline.outputs import checkpoint
@@ -23,11 +24,13 @@ def normalise(config: Config) -> Config:
     """``config`` validated, with its auto fields filled by the strategy's recipe (config.json
     shows them)."""
     config.validate()
-    get_backend().check_model(config.model.name)
+    get_backend().check_model(config.model.name)  # a name, or the form pkg.module:factory
     aug.get_policy(config.augment.policy)  # ValueError naming augment.policy
     strategy = strategies.get(config.train.strategy)
     strategy.check(config)
-    return strategy.resolve(config)
+    config = strategy.resolve(config)
+    get_backend().check_optimizer(config.train)  # its name and arguments, one line
+    return config
 
 
 def dataset_label(source: str) -> str:
@@ -39,6 +42,43 @@ def dataset_label(source: str) -> str:
     return Path(str(source).rstrip("/")).name or str(source)
 
 
+# ---- the model ----------------------------------------------------------------------------------
+def user_model(config: Config, model) -> tuple[Config, object]:
+    """``(config, factory)``: the model the caller named (``train(model=...)``: a callable, or an
+    import path ``"pkg.module:factory"``, imported now) recorded in ``model.name``, or
+    ``(config, None)`` for a registry name. A config naming an import path (a run directory's
+    config.json) with no ``model`` is one line saying which model to name: never imported."""
+    backend = get_backend()  # first: its framework, patched (Chainer on NumPy 2), before theirs
+    if model is None:
+        name = config.model.name
+        if name not in backend.model_names() and user_code.is_import_path(name):
+            raise user_code.needs_model(name)
+        return config, None
+    if isinstance(model, str):
+        return config.replace(**{"model.name": model}), user_code.import_factory(model)
+    return config.replace(**{"model.name": user_code.path_of(model)}), model
+
+
+def image_size(config: Config, dataset) -> tuple:
+    """(H, W) of the images the model sees: the data's, else what an image reader will make."""
+    if dataset is not None:
+        return tuple(int(s) for s in dataset.train_images.shape[2:])
+    if config.model.input_size:  # recorded by the run (evaluate, load_model)
+        return config.model.input_size, config.model.input_size
+    from pipeline.data.images import DEFAULT_SIZE
+    side = config.data.image_size or DEFAULT_SIZE
+    return side, side
+
+
+def resolve_model(config: Config, factory, dataset):
+    """What the tasks build (a registry name, or a ``ModelRef`` checked by a dry forward at the
+    data's size). Without the dataset yet (image folders, scanned on the cluster) the class
+    count is left unchecked until it is known."""
+    n_classes = dataset.n_classes if dataset is not None else None
+    return get_backend().resolve_model(config.model.name, config.model.args, factory,
+                                       image_size(config, dataset), n_classes)
+
+
 # ---- before a cluster starts -----------------------------------------------------------------
 class Prepared(NamedTuple):
     """What a run knows before a cluster starts: data, plan and the state it starts from."""
@@ -47,6 +87,7 @@ class Prepared(NamedTuple):
     per_epoch: int
     period: int
     state: HostState | None  # the checkpoint a resume goes on from (None: from the start)
+    model: object = None  # what tasks build: a registry name or a ModelRef (resolve_model)
 
     @property
     def complete(self) -> bool:
@@ -102,7 +143,8 @@ def check_device(config: Config) -> list:
     return gpus
 
 
-def plan(config: Config, out, dataset, found: "resuming.Resume | None") -> Prepared:
+def plan(config: Config, out, dataset, found: "resuming.Resume | None",
+         model=None) -> Prepared:
     """The plan (the strategy's) and the state to start from; a resume keeps the finished
     rounds as the checkpoint's run planned them and plans on to ``train.epochs``."""
     strategy = strategies.get(config.train.strategy)
@@ -115,28 +157,41 @@ def plan(config: Config, out, dataset, found: "resuming.Resume | None") -> Prepa
             done = strategy.plan(before, n_train)[0][:state.round + 1]
     rounds, per_epoch, period = strategy.plan(config, n_train, done)
     if state is not None:
-        _check_resumed(config, out, state, dataset.n_classes)
+        _check_resumed(config, out, state, dataset.n_classes, model)
+    elif config.model.init_weights is not None:  # read and checked now, before a cluster
+        initial_params(config, dataset.n_classes, model)
     if state is not None and len(done) == len(rounds):
         trained = (done[-1].global_step + done[-1].steps) / per_epoch
         if trained > config.train.epochs + 1e-9:
             raise ResumeError(f"{out} has trained {trained:g} epochs already, more than "
                               f"--epochs {config.train.epochs:g}")
-    return Prepared(dataset, rounds, per_epoch, period, state)
+    return Prepared(dataset, rounds, per_epoch, period, state, model)
 
 
-def _check_resumed(config: Config, out, state: HostState, n_classes: int) -> None:
+def _check_resumed(config: Config, out, state: HostState, n_classes: int, model=None) -> None:
     """The checkpoint's arrays fit the model (names, shapes, dtypes) before anything is sent."""
     if len(state.params) < config.train.replicas or len(state.opts) != len(state.params):
         raise ResumeError(f"checkpoint of round {state.round} in {out} holds "
                           f"{len(state.params)} parameter set(s), the run has "
                           f"{config.train.replicas} replica(s)")
-    template = initial_params(config, n_classes)
+    template = initial_params(config, n_classes, model, weights=False)
     checkpoint.check_state(state, template, f"round {state.round} in {out}")
 
 
-def initial_params(config: Config, n_classes: int) -> dict:
+def initial_params(config: Config, n_classes: int, model=None, weights: bool = True) -> dict:
+    """The weights every replica starts from: the run seed's, or ``model.init_weights`` (read
+    with our own reader, every name, shape and dtype checked: one line on the first mismatch)."""
+    from pipeline.core import npz
     from pipeline.training import tasks
-    return tasks.init_params(config.model.name, n_classes, config.seed)
+    model = config.model.name if model is None else model
+    path = config.model.init_weights
+    if not weights or path is None:
+        return tasks.init_params(model, n_classes, config.seed)
+    try:
+        return get_backend().load_weights(model, n_classes, path)
+    except npz.Mismatch as exc:
+        raise UsageError(f"--init-weights {path} does not fit model "
+                         f"{config.model.name} ({n_classes} classes): {exc.reason}") from None
 
 
 # ---- on the cluster --------------------------------------------------------------------------
@@ -161,7 +216,7 @@ def on_cluster(client, config: Config, prep: Prepared, log) -> Setup:
     data = graph.persist_dataset(client, dataset, resources=augment_res)
     if data.note:
         log(data.note)
-    initial = initial_params(config, dataset.n_classes)
+    initial = initial_params(config, dataset.n_classes, prep.model)
     watchdog = Watchdog(client, config.cluster, log)  # looks while the loop waits
     round_graph = graph.RoundGraph(client, data, config, n_classes=dataset.n_classes,
                                    device=device, train_resources=train_res,
@@ -170,7 +225,7 @@ def on_cluster(client, config: Config, prep: Prepared, log) -> Setup:
                                    reload=lambda: graph.persist_dataset(client, dataset,
                                                                         resources=augment_res))
     ctx = Context(config, config.train.replicas, data.n_train, prep.per_epoch,
-                  dataset.n_classes, device, tuple(prep.rounds))
+                  dataset.n_classes, device, tuple(prep.rounds), prep.model)
     setup = Setup(round_graph, watchdog, ctx, strategies.get(config.train.strategy), initial,
                   time.perf_counter() - t0)
     _log_plan(setup, prep, log)

@@ -24,9 +24,9 @@ from pipeline.data.readers import Shard
 
 class StepSpec(NamedTuple):
     """Everything a train task needs besides its state and its shard."""
-    model: str
+    model: object  # a registry name, or a backends.ModelRef (the user's factory travels in it)
     n_classes: int
-    optimizer: str  # sgd | momentum | adam
+    optimizer: str  # sgd | momentum | adam | a class name of the framework's optimizers
     momentum: float
     weight_decay: float
     lrs: tuple  # learning rate of each local step; its length is the number of steps
@@ -43,6 +43,8 @@ class StepSpec(NamedTuple):
     beta2: float = 0.999  # Adam's second-moment decay
     eps: float = 1e-8  # Adam's epsilon
     cpu_kernels: str = "ours"  # convolution/pooling/BatchNorm on NumPy: ours | chainer
+    optimizer_args: str = "{}"  # JSON keyword arguments of the optimizer
+    grad_clip: float = 0.0  # L2 norm the gradient is clipped to (0: off)
 
 
 class TrainResult(NamedTuple):
@@ -103,7 +105,7 @@ def update(params: State, opt_state: State | None, mean: State, spec: StepSpec) 
 
 
 class EvalSpec(NamedTuple):
-    model: str
+    model: object  # as StepSpec.model
     n_classes: int
     tta: bool = False
     device: str = "cpu"
@@ -132,6 +134,6 @@ def evaluate(params: State, images: np.ndarray, labels: np.ndarray, spec: EvalSp
                 seconds=time.perf_counter() - start)
 
 
-def init_params(model: str, n_classes: int, seed: int, backend: str = "chainer") -> State:
+def init_params(model, n_classes: int, seed: int, backend: str = "chainer") -> State:
     """The initial weights every replica starts from (Horovod's broadcast of rank 0's weights)."""
     return get_backend(backend).init_params(model, n_classes, seed)

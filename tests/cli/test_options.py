@@ -101,18 +101,21 @@ def test_unset_options_are_none_so_a_resume_keeps_the_saved_values():
 
 def test_evaluate_help_lists_every_registered_model(capsys):
     from pipeline.backends.chainer.models import MODELS
+    from pipeline.backends.chainer.user_models import ZOO
     text = _help(capsys, "evaluate")
-    listed = re.search(r"--model NAME model of --weights: (.*?) --weights NPZ", text).group(1)
-    assert listed.split(" | ") == list(MODELS)
+    listed = re.search(r"--model NAME model of --weights: (.*?), or pkg.module:factory",
+                       text).group(1)
+    assert listed.split(" | ") == [*MODELS, *ZOO]
 
 
 def test_train_help_lists_every_model_strategy_and_policy_of_the_registries(capsys):
     from augment import POLICIES
 
     from pipeline.backends.chainer.models import MODELS
+    from pipeline.backends.chainer.user_models import ZOO
     from pipeline.training.strategies import NAMES
     text = _help(capsys, "train")
-    for flag, names in (("--model NAME", MODELS), ("--strategy NAME", NAMES),
+    for flag, names in (("--model NAME", [*MODELS, *ZOO]), ("--strategy NAME", NAMES),
                         ("--augment POLICY", POLICIES)):
         assert f"{flag} {' | '.join(names)}: " in text, flag
 

@@ -11,14 +11,15 @@ import contextlib
 import numpy as np
 
 import augment
-from pipeline.backends import State, StepStats
+from pipeline.backends import ModelRef, State, StepStats
 from pipeline.backends.chainer import compat
 from pipeline.backends.chainer.compat import F, chainer
 from pipeline.backends.chainer.cpu_kernels import stock as stock_kernels
 from pipeline.backends.chainer.gpu_kernels import fused_update
-from pipeline.backends.chainer.state import (cached_model, get_optimizer_state, get_state,
-                                             load_npz, make_optimizer, param_keys, set_lr,
-                                             set_optimizer_state, set_state, setup_optimizer)
+from pipeline.backends.chainer.state import (build, cached_model, get_optimizer_state,
+                                             get_state, load_npz, make_optimizer, param_keys,
+                                             set_lr, set_optimizer_state, set_state,
+                                             setup_optimizer)
 
 _CHAINER_DEVICE = {"cpu": "@numpy", "gpu": "@cupy:0"}
 _MALLOC_TUNED = False
@@ -94,10 +95,25 @@ def _model(spec, params: State):
     return set_state(cached_model(spec.model, spec.n_classes, chainer_device(spec.device)), params)
 
 
+def _forward(model, x, spec, rng):
+    """Our registry's models take the dropout generator; a user's model is called as written."""
+    return model(x, rng=rng) if isinstance(spec.model, str) else model(x)
+
+
+def _seeded(spec):
+    """A user's model may draw from the global RNGs (``F.dropout``): seeded from the run seed
+    keyed by (round, replica) for the task's steps, one such task at a time per process."""
+    if isinstance(spec.model, ModelRef) and spec.model.global_rng:
+        from pipeline.backends.chainer.user_models import seeded_globals
+        return seeded_globals(spec.seed, "dropout", spec.round, spec.replica)
+    return contextlib.nullcontext()
+
+
 def _optimizer(spec, model, opt_state: State | None):
     optimizer = setup_optimizer(
         make_optimizer(spec.optimizer, spec.lrs[0], spec.momentum, spec.weight_decay,
-                       (spec.beta1, spec.beta2), spec.eps), model)
+                       (spec.beta1, spec.beta2), spec.eps, spec.optimizer_args,
+                       spec.grad_clip), model)
     if opt_state is not None:
         set_optimizer_state(optimizer, opt_state)
     return optimizer
@@ -116,7 +132,7 @@ def _steps(model, optimizer, images, labels, spec, rng) -> tuple:
     for step, lr in enumerate(spec.lrs):
         lo = step * spec.batch_size
         x, t = _inputs(images[lo:lo + spec.batch_size], labels[lo:lo + spec.batch_size], spec)
-        logits = model(x, rng=rng)
+        logits = _forward(model, x, spec, rng)
         loss = F.softmax_cross_entropy(logits, t)
         model.cleargrads()
         loss.backward()
@@ -139,35 +155,62 @@ class ChainerBackend:
 
     def model_names(self) -> tuple[str, ...]:
         from pipeline.backends.chainer.models import MODELS
-        return tuple(MODELS)
+        from pipeline.backends.chainer.user_models import ZOO
+        return (*MODELS, *ZOO)
+
+    def resolve_model(self, name, args, factory, size, n_classes):
+        from pipeline.backends.chainer import user_models
+        from pipeline.backends.chainer.models import MODELS
+        if factory is None and name in MODELS:
+            return name
+        if factory is None and name not in user_models.ZOO:
+            from pipeline.backends.user import needs_model
+            raise needs_model(name)
+        return user_models.check(user_models.make_ref(name, args, factory, size), n_classes)
 
     def gpu_report(self) -> tuple[str | None, str]:
         reason = compat.cuda_status(check_device=True)
         return (reason, "") if reason else (None, compat.cuda_summary())
 
-    def check_model(self, model: str) -> str:
-        from pipeline.backends.chainer.models import check_model_name
-        return check_model_name(model)
+    def check_optimizer(self, train) -> None:
+        from pipeline.core.errors import UsageError, one_line
+        try:
+            make_optimizer(train.optimizer, train.lr, train.momentum, train.weight_decay,
+                           (train.beta1, train.beta2), train.adam_eps, train.optimizer_args,
+                           train.grad_clip)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        except TypeError as exc:
+            raise UsageError(f"train.optimizer_args do not fit {train.optimizer}: "
+                             f"{one_line(exc, kind=False, limit=200)}") from None
 
-    def to_model(self, model: str, n_classes: int, params: State):
-        from pipeline.backends.chainer.models import build_model
-        stock_kernels.install()
-        return set_state(build_model(model, n_classes), params)
+    def check_model(self, model):
+        from pipeline.backends.chainer.user_models import ZOO
+        from pipeline.backends.user import is_import_path
+        if isinstance(model, ModelRef) or model in ZOO or is_import_path(model):
+            return model
+        if model not in self.model_names():
+            raise ValueError(f"model.name must be one of {list(self.model_names())} or "
+                             f"pkg.module:factory (your own), got {str(model)[:80]!r}")
+        return model
 
-    def load_weights(self, model: str, n_classes: int, path: str) -> State:
-        from pipeline.backends.chainer.models import build_model
-        return get_state(load_npz(build_model(model, n_classes), path))
+    def to_model(self, model, n_classes: int, params: State):
+        stock_kernels.install()  # a model of Chainer's stock links runs our CPU kernels too
+        return set_state(build(model, n_classes), params)
 
-    def init_params(self, model: str, n_classes: int, seed: int) -> State:
-        from pipeline.backends.chainer.models import build_model
-        return get_state(build_model(model, n_classes, seed=seed))
+    def load_weights(self, model, n_classes: int, path: str) -> State:
+        return get_state(load_npz(build(model, n_classes), path))
+
+    def init_params(self, model, n_classes: int, seed: int) -> State:
+        return get_state(build(model, n_classes, seed=seed))
 
     def train_steps(self, params, opt_state, images, labels, spec, rng):
         _keep_heap_for_training()
         with _mode(True, spec.cpu_kernels):
             model = _model(spec, params)
             optimizer = _optimizer(spec, model, opt_state)
-            loss_sum, correct, n = _steps(model, optimizer, images, labels, spec, rng)
+            with _seeded(spec):
+                loss_sum, correct, n = _steps(model, optimizer, images, labels, spec, rng)
             return get_state(model), get_optimizer_state(optimizer), StepStats(
                 loss_sum, correct, n, bool(np.isfinite(loss_sum)))
 
@@ -176,17 +219,19 @@ class ChainerBackend:
         with _mode(True, spec.cpu_kernels):
             model = _model(spec, params)
             x, t = _inputs(images, labels, spec)
-            logits = model(x, rng=rng)
-            loss = F.softmax_cross_entropy(logits, t)
-            model.cleargrads()
-            loss.backward()
+            with _seeded(spec):
+                logits = _forward(model, x, spec, rng)
+                loss = F.softmax_cross_entropy(logits, t)
+                model.cleargrads()
+                loss.backward()
             xp = chainer.backend.get_array_module(loss.array)
             tally = xp.stack([loss.array.astype(np.float64) * len(t),
                               (logits.array.argmax(axis=1) == t).sum().astype(np.float64)])
             # BatchNorm statistics as updated by this forward pass, the gradients and the two
             # metrics leave the device together (one transfer per dtype).
-            payload = get_state(model, extra={"/tally": tally, **{
-                path.lstrip("/"): param.grad for path, param in model.namedparams()}})
+            payload = get_state(model, extra={"/tally": tally, **{  # unused: a zero gradient
+                path.lstrip("/"): param.grad if param.grad is not None else
+                param.xp.zeros_like(param.array) for path, param in model.namedparams()}})
             loss_sum, correct = (float(v) for v in payload.pop("/tally"))
             return payload, StepStats(loss_sum, int(correct), len(t),
                                       bool(np.isfinite(loss_sum)))
@@ -210,7 +255,7 @@ class ChainerBackend:
 
             def proba(batch):
                 x = augment.normalize(batch, spec.mean, spec.std)
-                return F.softmax(model(x)).array
+                return F.softmax(_forward(model, x, spec, None)).array
 
             if len(images) == 0:
                 return np.zeros((0, spec.n_classes), np.float32)

@@ -171,50 +171,100 @@ def set_optimizer_state(optimizer: chainer.Optimizer, state: State) -> None:
         _DeviceDeserializer(_upload(state, sample), strict=True).load(optimizer)
 
 
+LEGACY_OPTIMIZERS = ("sgd", "momentum", "adam")
+
+
+def _optimizer_class(name: str):
+    """The class of ``chainer.optimizers`` called ``name`` (sgd, momentum, adam: SGD,
+    MomentumSGD, Adam), or ValueError naming the field."""
+    cls = getattr(chainer.optimizers, {"sgd": "SGD", "momentum": "MomentumSGD",
+                                       "adam": "Adam"}.get(name, name), None)
+    if not (isinstance(cls, type) and issubclass(cls, chainer.Optimizer)):
+        raise ValueError(f"train.optimizer must be one of {', '.join(LEGACY_OPTIMIZERS)} or a "
+                         f"class of chainer.optimizers, got {name!r}")
+    return cls
+
+
+def _alpha_is_lr(cls) -> bool:
+    """Adam and its kin (AdamW, AMSGrad, AdaBound, AMSBound) call their learning rate alpha."""
+    return issubclass(cls, chainer.optimizers.Adam)
+
+
 def make_optimizer(name: str, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
-                   betas: tuple = (0.9, 0.999), eps: float = 1e-8):
-    """A Chainer optimizer by name (sgd | momentum | adam); lr is Adam's alpha, ``betas`` and
-    ``eps`` are Adam's."""
-    if name == "sgd":
-        opt = chainer.optimizers.SGD(lr=lr)
-    elif name == "momentum":
-        opt = chainer.optimizers.MomentumSGD(lr=lr, momentum=momentum)
-    elif name == "adam":
-        opt = chainer.optimizers.Adam(alpha=lr, beta1=betas[0], beta2=betas[1], eps=eps)
-    else:
-        raise ValueError(f"train.optimizer must be one of sgd, momentum, adam, got {name!r}")
+                   betas: tuple = (0.9, 0.999), eps: float = 1e-8, args: str = "{}",
+                   grad_clip: float = 0.0):
+    """A Chainer optimizer by name: sgd | momentum | adam (``momentum``, ``betas`` and ``eps``
+    are theirs) or any class of ``chainer.optimizers`` with ``args`` (JSON keyword arguments).
+    ``lr`` is the learning rate (Adam's alpha); ``weight_decay`` and ``grad_clip`` become
+    Chainer's WeightDecay and GradientClipping hooks at set-up. TypeError for arguments the
+    class does not take."""
+    import json
+    cls = _optimizer_class(name)
+    kwargs = json.loads(args)
+    taken = "alpha" if _alpha_is_lr(cls) else "lr"
+    if taken in kwargs:
+        raise ValueError(f"train.optimizer_args: the learning rate is --lr (train.lr), not "
+                         f"{taken!r} in the arguments")
+    if name == "momentum":
+        kwargs.setdefault("momentum", momentum)
+    elif cls is chainer.optimizers.Adam and name == "adam":
+        kwargs.setdefault("beta1", betas[0])
+        kwargs.setdefault("beta2", betas[1])
+        kwargs.setdefault("eps", eps)
+    opt = cls(**kwargs)
+    set_lr(opt, lr)
     opt.weight_decay_rate_ = weight_decay
+    opt.grad_clip_ = grad_clip
     return opt
 
 
 def setup_optimizer(opt, link):
+    """``opt.setup(link)`` with its hooks; parameters whose update rule was disabled before
+    (``user_models.freeze``, or a task's cached Link frozen earlier) stay disabled."""
+    frozen = [param for param in link.params()
+              if param.update_rule is not None and not param.update_rule.enabled]
     opt.setup(link)
+    for param in frozen:
+        param.update_rule.enabled = False
     if getattr(opt, "weight_decay_rate_", 0):
         opt.add_hook(chainer.optimizer_hooks.WeightDecay(opt.weight_decay_rate_))
+    if getattr(opt, "grad_clip_", 0):
+        opt.add_hook(chainer.optimizer_hooks.GradientClipping(opt.grad_clip_))
     return opt
 
 
 def set_lr(optimizer, lr: float) -> None:
-    if isinstance(optimizer, chainer.optimizers.Adam):
+    """The learning rate of the next step (Adam's kin: alpha; AdaDelta has none)."""
+    if _alpha_is_lr(type(optimizer)):
         optimizer.alpha = lr
-    else:
+    elif "lr" in optimizer.hyperparam.get_dict():
         optimizer.lr = lr
 
 
 _links = threading.local()
 
 
-def cached_model(name: str, n_classes: int, device: str = "@numpy") -> chainer.Link:
-    """A Link of this architecture for the calling thread, built once per thread and device.
+def build(model, n_classes: int, seed: int | None = None) -> chainer.Link:
+    """A fresh Link of a registry name or a ``ModelRef`` (``user_models``)."""
+    if isinstance(model, str):
+        from pipeline.backends.chainer.models import build_model
+        return build_model(model, n_classes, seed=seed)
+    from pipeline.backends.chainer import user_models
+    return user_models.build(model, n_classes, seed)
+
+
+def cached_model(name, n_classes: int, device: str = "@numpy") -> chainer.Link:
+    """A Link of this architecture (a registry name or a ``ModelRef``) for the calling thread,
+    built once per thread and device.
 
     Its weights are whatever the last task left: callers load a state into it first. Building
     cifar10-2015 draws 5.6 M initial weights (~0.1 s), which a per-task rebuild would repeat.
+    A ``ModelRef``'s factory arrives unpickled afresh with each task: its token is the key.
     """
-    from pipeline.backends.chainer.models import build_model
     cache = _links.__dict__.setdefault("models", {})
-    key = (name, n_classes, device)
+    key = (name if isinstance(name, str) else name.token, n_classes, device)
     if key not in cache:
-        model = build_model(name, n_classes)
+        model = build(name, n_classes)
         if device != "@numpy":
             model.to_device(device)
         cache[key] = model

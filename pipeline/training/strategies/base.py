@@ -26,6 +26,12 @@ class Context(NamedTuple):
     n_classes: int
     device: str  # neutral device name of train tasks: cpu | gpu
     plan: tuple = ()  # the run's rounds (a resumed, extended run keeps its finished ones)
+    model: Any = None  # what tasks build: a registry name or a backends.ModelRef (None: the
+    #                    config's model.name)
+
+    @property
+    def model_spec(self):
+        return self.config.model.name if self.model is None else self.model
 
     @property
     def warmup_steps(self) -> int:
@@ -44,13 +50,14 @@ class Context(NamedTuple):
 
     def spec(self, rnd: Round, replica: int, mode: str = "steps") -> StepSpec:
         t = self.config.train
-        return StepSpec(self.config.model.name, self.n_classes, t.optimizer, t.momentum,
+        return StepSpec(self.model_spec, self.n_classes, t.optimizer, t.momentum,
                         t.weight_decay, self.lrs(rnd), t.batch_size, mode, self.config.seed,
                         rnd.index, replica, self.device, beta1=t.beta1, beta2=t.beta2,
-                        eps=t.adam_eps, cpu_kernels=self.config.model.cpu_kernels)
+                        eps=t.adam_eps, cpu_kernels=self.config.model.cpu_kernels,
+                        optimizer_args=t.optimizer_args, grad_clip=t.grad_clip)
 
     def eval_spec(self) -> EvalSpec:
-        return EvalSpec(self.config.model.name, self.n_classes, self.config.train.tta,
+        return EvalSpec(self.model_spec, self.n_classes, self.config.train.tta,
                         self.device, cpu_kernels=self.config.model.cpu_kernels)
 
 

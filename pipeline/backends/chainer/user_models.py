@@ -1,0 +1,235 @@
+"""Models the registry does not name: the user's factories and Chainer's own architectures, as
+``ModelRef`` values checked on the driver (one dry forward) and built inside tasks.
+
+A factory is a class or callable returning a ``chainer.Link`` that maps (N, 3, H, W) float32 to
+(N, classes) logits. It is imported only when the user names it (``--model pkg.module:factory``,
+``train(config, model=...)``), never because a run directory's config.json says so. Its
+randomness is seeded here: initial weights (initializers and lazily sized parameters draw from
+NumPy's global RNG) from the run seed's "init" stream, and everything a training step draws from
+the global RNGs (``F.dropout``) from the run seed keyed by (round, replica), under one lock so
+two tasks in threads of one worker never interleave their draws.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import inspect
+import json
+import random
+import sys
+import threading
+
+import numpy as np
+
+from pipeline.backends import ModelRef
+from pipeline.backends.user import import_factory, path_of, ship_by_value
+from pipeline.backends.chainer.compat import L, chainer
+from pipeline.core.errors import UsageError, one_line
+from pipeline.core.rng import stream_id
+
+DRY_BATCH = 2  # images in the contract's dry forward
+_GLOBAL_RNG = threading.RLock()  # held while a task's steps may draw from the global RNGs
+
+
+# ---- Chainer's own architectures ---------------------------------------------------------------
+# name -> (class in chainer.links, the head replaced for the data's classes, the input side its
+# classifier fixes or None). VGG16's fc6 takes 512 x 7 x 7 features and GoogLeNet's pool5 is a
+# 7 x 7 average before a 1024-input fc: both need 224 x 224; ResNet-50 pools globally.
+ZOO = {"resnet50": ("ResNet50Layers", "fc6", None),
+       "vgg16": ("VGG16Layers", "fc8", 224),
+       "googlenet": ("GoogLeNet", "loss3_fc", 224)}
+
+
+class ZooNet(chainer.Chain):
+    """One of Chainer's ImageNet architectures with random weights (``pretrained_model=None``:
+    nothing is downloaded) and a fresh ``n_classes`` head: (N, 3, H, W) -> (N, n_classes)."""
+
+    def __init__(self, arch: str, n_classes: int = 10):
+        super().__init__()
+        cls_name, self.head, _ = ZOO[arch]
+        with self.init_scope():
+            self.net = getattr(L, cls_name)(pretrained_model=None)
+            old = getattr(self.net, self.head)
+            delattr(self.net, self.head)
+            with self.net.init_scope():
+                setattr(self.net, self.head, L.Linear(old.W.shape[1], n_classes))
+
+    def forward(self, x):
+        return self.net(x, layers=[self.head])[self.head]
+
+
+# ---- resolving and checking --------------------------------------------------------------------
+def _takes_n_classes(factory) -> bool:
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+    # named, not swallowed by **kwargs: chainercv2's get_model(name, **kwargs) hands its kwargs
+    # to a class that calls it classes=, and fails on n_classes=
+    return "n_classes" in params
+
+
+class Shipped:
+    """A factory as it travels to the workers: pickled once on the driver (cloudpickle), and
+    unpickled on a worker only after this module (so Chainer's NumPy 2 shims, ``compat``) is
+    imported there: a user's module that does ``import chainer`` then works on the workers."""
+
+    def __init__(self, fn, blob: bytes):
+        self.fn, self.blob = fn, blob
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self):
+        return _unship, (self.blob,)
+
+
+def _unship(blob: bytes) -> Shipped:
+    import cloudpickle
+    return Shipped(cloudpickle.loads(blob), blob)
+
+
+def _link_metaclass():
+    return type(chainer.Link)
+
+
+def _dumps(obj) -> bytes:
+    """cloudpickle, but Chainer's Link metaclass by reference: it is made inside a function
+    (``chainer.utils.meta.enable_final``), so cloudpickle would rebuild a copy of it by value
+    and a user's ``Chain`` subclass would fail on a worker with a metaclass conflict."""
+    import io
+
+    import cloudpickle
+
+    class Pickler(cloudpickle.Pickler):
+        def reducer_override(self, obj):
+            if obj is type(chainer.Link):
+                return _link_metaclass, ()
+            return super().reducer_override(obj)
+
+    buffer = io.BytesIO()
+    Pickler(buffer, protocol=5).dump(obj)
+    return buffer.getvalue()
+
+
+def _ship(path: str, factory) -> Shipped:
+    try:
+        return Shipped(factory, _dumps(factory))
+    except Exception as exc:
+        raise UsageError(f"model {path} cannot be sent to the workers: "
+                         f"{one_line(exc, limit=200)}") from None
+
+
+def _token(path: str, shipped: Shipped, args: str, size: tuple) -> str:
+    return hashlib.sha256(repr((path, args, size)).encode() + shipped.blob).hexdigest()[:16]
+
+
+def make_ref(name: str, args: str, factory, size: tuple) -> ModelRef:
+    """A ``ModelRef`` for a zoo name, an import path the user gave, or a callable."""
+    if factory is None and name in ZOO:
+        factory = functools.partial(ZooNet, name)
+        path = name
+    else:
+        path = factory if isinstance(factory, str) else path_of(factory)
+        if isinstance(factory, str):
+            factory = import_factory(factory)
+        if not callable(factory):
+            raise UsageError(f"model {path}: {type(factory).__name__} is not callable (a class "
+                             f"or function returning a chainer.Link)")
+        ship_by_value(factory)
+    size = tuple(int(s) for s in size)
+    shipped = _ship(path, factory)
+    return ModelRef(path, shipped, args, size, _takes_n_classes(factory),
+                    _token(path, shipped, args, size))
+
+
+def check(ref: ModelRef, n_classes: int | None, seed: int = 0) -> ModelRef:
+    """The contract, before a cluster starts: the factory returns a ``chainer.Link`` that maps a
+    (2, 3, H, W) float32 batch at the data's size to (2, n_classes) (n_classes None: not known
+    yet, any class count); UsageError on the first thing that fails, in one line."""
+    fixed = ZOO.get(ref.path, (None, None, None))[2]
+    if fixed and ref.size != (fixed, fixed):
+        raise UsageError(f"model {ref.path} fixes its input at {fixed}x{fixed} (its classifier's "
+                         f"input size); the data's images are {ref.size[0]}x{ref.size[1]} "
+                         f"(--image-size {fixed} for image folders, or resnet50)")
+    build(ref, n_classes, seed)
+    return ref
+
+
+def _call(ref: ModelRef, n_classes: int):
+    kwargs = json.loads(ref.args)
+    if ref.takes_n_classes and n_classes is not None:
+        kwargs.setdefault("n_classes", n_classes)
+    try:
+        link = ref.factory(**kwargs)
+    except Exception as exc:
+        raise UsageError(f"model {ref.path}({', '.join(kwargs)}) raised "
+                         f"{one_line(exc, limit=200)}") from None
+    if not isinstance(link, chainer.Link):
+        raise UsageError(f"model {ref.path} returned {type(link).__name__}, not a chainer.Link")
+    return link
+
+
+def _dry_forward(ref: ModelRef, link, n_classes: int) -> None:
+    """One forward of a zero batch at the data's size: materialises lazily sized parameters
+    (``in_size=None``) and checks the output is (N, n_classes) logits."""
+    x = np.zeros((DRY_BATCH, 3, *ref.size), np.float32)
+    try:
+        with chainer.using_config("train", False), chainer.no_backprop_mode():
+            y = link(x)
+    except Exception as exc:
+        raise UsageError(f"model {ref.path} failed on a (2, 3, {ref.size[0]}, {ref.size[1]}) "
+                         f"float32 batch: {one_line(exc, limit=200)}") from None
+    shape = getattr(y, "shape", None)
+    fits = shape == (DRY_BATCH, n_classes) or (n_classes is None and shape is not None
+                                                and len(shape) == 2 and shape[0] == DRY_BATCH)
+    if not isinstance(y, (chainer.Variable, np.ndarray)) or not fits:
+        got = f"shape {shape}" if shape is not None else type(y).__name__
+        raise UsageError(f"model {ref.path} maps (2, 3, {ref.size[0]}, {ref.size[1]}) to {got}, "
+                         f"not (2, {n_classes or 'classes'}) logits")
+
+
+def build(ref: ModelRef, n_classes: int, seed: int | None = None):
+    """A fresh Link of ``ref``, its lazily sized parameters materialised at ``ref.size``. ``seed``
+    fixes its initial weights (the run's "init" stream); None: a throwaway seed (for Links whose
+    weights are loaded right after)."""
+    with seeded_globals(seed if seed is not None else 0, "init"):
+        link = _call(ref, n_classes)
+        _dry_forward(ref, link, n_classes)
+    return link
+
+
+# ---- the global RNGs ------------------------------------------------------------------------
+@contextlib.contextmanager
+def seeded_globals(seed: int, stream: str, *coords: int):
+    """NumPy's and Python's global RNGs (and CuPy's, where it is imported) seeded from
+    ``SeedSequence(seed, spawn_key=(stream, *coords))`` for the block, one block at a time per
+    process; their previous states come back after it."""
+    seq = np.random.SeedSequence(int(seed), spawn_key=(stream_id(stream),
+                                                       *(int(c) for c in coords)))
+    words = seq.generate_state(4)
+    with _GLOBAL_RNG:
+        saved_np, saved_py = np.random.get_state(), random.getstate()
+        np.random.set_state(np.random.RandomState(np.random.MT19937(seq)).get_state())
+        random.seed(int(words[0]) << 32 | int(words[1]))
+        cupy = sys.modules.get("cupy")
+        if cupy is not None and chainer.backends.cuda.available:
+            cupy.random.seed(int(words[2]) << 32 | int(words[3]))
+        try:
+            yield
+        finally:
+            np.random.set_state(saved_np)
+            random.setstate(saved_py)
+
+
+def freeze(link) -> None:
+    """Mark every parameter of ``link`` frozen: no strategy updates it (call it in a factory).
+
+    Chainer's ``link.disable_update()`` acts on update rules, which only exist once an optimizer
+    is set up; a task sets its optimizer up after the factory ran, so this gives each parameter
+    a disabled rule that the task's set-up keeps disabled (``state.setup_optimizer``).
+    """
+    for param in link.params():
+        param.update_rule = chainer.UpdateRule()
+        param.update_rule.enabled = False

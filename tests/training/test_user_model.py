@@ -1,0 +1,193 @@
+"""A model of the user's, written with stock Chainer links in a module outside the repository:
+every strategy trains it, its dropout and lazily sized layer are seeded from the run seed
+(1 vs 3 workers, interrupted + resumed), frozen layers stay put, BatchNorm statistics are
+state; any Chainer optimizer by name; starting weights from a file."""
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from pipeline.core.errors import UsageError
+from pipeline.training.loop import train
+from tests.helpers import assert_same_bits, make_config
+
+MODULE = textwrap.dedent('''
+    """A user's model: stock links only (BatchNorm, dropout, a lazily sized Linear)."""
+    from pipeline.backends.chainer.compat import chainer
+    import chainer.functions as F
+    import chainer.links as L
+    from pipeline.backends.chainer.user_models import freeze
+
+
+    class Net(chainer.Chain):
+        def __init__(self, n_classes=10, width=8, frozen=False):
+            super().__init__()
+            with self.init_scope():
+                self.conv = L.Convolution2D(3, width, 3, pad=1)
+                self.bn = L.BatchNormalization(width)
+                self.fc = L.Linear(None, n_classes)
+            if frozen:
+                freeze(self.conv)
+
+        def forward(self, x):
+            h = F.relu(self.bn(self.conv(x)))
+            h = F.dropout(F.max_pooling_2d(h, 4), 0.3)
+            return self.fc(h)
+''')
+
+BASE = {"data.source": "synthetic:240:60", "train.batch_size": 20, "train.epochs": 1,
+        "train.lr": 0.02, "progress": False, "checkpoint_every": 0, "seed": 5,
+        "average.mix_every": "3", "model.args": '{"width": 4}'}
+
+
+@pytest.fixture(scope="module")
+def user_module(tmp_path_factory):
+    """``usernets.Net`` in a directory outside the repository, put on sys.path."""
+    root = tmp_path_factory.mktemp("usercode")
+    (root / "usernets.py").write_text(MODULE)
+    sys.path.insert(0, str(root))
+    import usernets
+    yield usernets
+    sys.path.remove(str(root))
+    sys.modules.pop("usernets", None)
+
+
+@pytest.mark.parametrize("strategy, replicas", [("single", 1), ("gradient", 2), ("mixture", 2),
+                                                ("ipm", 2), ("async", 2)])
+def test_every_strategy_trains_it_and_keeps_frozen_layers(user_module, dask_client, strategy,
+                                                           replicas):
+    cfg = make_config(BASE, **{"train.strategy": strategy, "train.replicas": replicas,
+                               "model.args": '{"width": 4, "frozen": true}'})
+    result = train(cfg, client=dask_client, model=user_module.Net)
+    assert result.config.model.name == "usernets:Net"
+    from pipeline.backends import get_backend
+    initial = get_backend().init_params(_ref(cfg, user_module.Net), 10, cfg.seed)
+    assert initial.keys() == result.params.keys()
+    for key in ("conv/W", "conv/b"):  # frozen: untouched by every strategy
+        assert initial[key].tobytes() == result.params[key].tobytes(), key
+    for key in ("fc/W", "bn/gamma", "bn/avg_mean"):  # trained, BatchNorm statistics included
+        assert initial[key].tobytes() != result.params[key].tobytes(), key
+    assert np.isfinite(result.history[-1]["train_loss"])
+    assert isinstance(result.model, user_module.Net)
+
+
+def _ref(cfg, factory):
+    from pipeline.backends import get_backend
+    return get_backend().resolve_model("usernets:Net", cfg.model.args, factory, (32, 32), 10)
+
+
+def test_dropout_is_seeded_by_round_and_replica_on_1_and_3_workers(user_module):
+    import distributed
+    cfg = make_config(BASE, **{"train.strategy": "ipm", "train.replicas": 3})
+    results = []
+    for workers in (1, 3):
+        with distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=False,
+                                      dashboard_address="127.0.0.1:0") as cluster, \
+                distributed.Client(cluster, set_as_default=False) as client:
+            results.append(train(cfg, client=client, model=user_module.Net))
+    assert_same_bits(results[0].params, results[1].params)
+    again = None
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=2, processes=False,
+                                  dashboard_address="127.0.0.1:0") as cluster, \
+            distributed.Client(cluster, set_as_default=False) as client:
+        again = train(cfg, client=client, model=user_module.Net)  # two tasks per worker at once
+    assert_same_bits(results[0].params, again.params)
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_interrupted_and_resumed_equals_uninterrupted(user_module, dask_client, tmp_path):
+    cfg = make_config(BASE, **{"train.strategy": "ipm", "train.replicas": 2, "train.epochs": 2,
+                               "checkpoint_every": 1, "average.optimizer_state": "keep"})
+    whole = train(cfg.replace(out=str(tmp_path / "whole")), client=dask_client,
+                  model=user_module.Net)
+
+    def stop(line):
+        if line["round"] == 1:
+            raise _Stop
+
+    cut = cfg.replace(out=str(tmp_path / "cut"))
+    with pytest.raises(_Stop):
+        train(cut, client=dask_client, model=user_module.Net, on_round=stop)
+    with pytest.raises(UsageError, match="this run's model is usernets:Net"):
+        train(cut.replace(**{"model.name": "usernets:Net"}), client=dask_client, resume=True)
+    resumed = train(cut, client=dask_client, resume=True, model="usernets:Net")
+    assert_same_bits(whole.params, resumed.params)
+
+    from pipeline import load_model
+    with pytest.raises(UsageError, match="name it again"):
+        load_model(tmp_path / "whole")
+    model = load_model(tmp_path / "whole", model=user_module.Net)
+    from pipeline.backends.chainer.state import get_state
+    assert_same_bits(get_state(model), whole.params)
+
+
+@pytest.mark.parametrize("optimizer, args", [("RMSprop", '{"alpha": 0.9}'), ("AdaGrad", '{}'),
+                                             ("AdamW", '{"weight_decay_rate": 0.01}')])
+def test_any_chainer_optimizer_with_its_state_averaged(user_module, dask_client, tmp_path,
+                                                       optimizer, args):
+    cfg = make_config(BASE, **{"train.strategy": "ipm", "train.replicas": 2,
+                               "train.optimizer": optimizer, "train.optimizer_args": args,
+                               "train.lr": 0.001, "train.weight_decay": 1e-4,
+                               "train.grad_clip": 1.0, "average.optimizer_state": "average",
+                               "checkpoint_every": 1, "out": str(tmp_path)})
+    result = train(cfg, client=dask_client, model=user_module.Net)
+    assert np.isfinite(result.history[-1]["train_loss"])
+    from pipeline.outputs.fs import checkpoint_dirs
+    from pipeline.core import npz
+    state = npz.read(checkpoint_dirs(tmp_path / "checkpoints")[-1][1] / "state.npz")
+    slots = {k.rsplit("/", 1)[-1] for k in state if "/opt/" in k or k.startswith("opt/")}
+    assert slots, sorted(state)[:10]
+
+
+def test_a_bad_optimizer_or_its_arguments_is_one_line(user_module, dask_client):
+    for changes, match in (({"train.optimizer": "NoSuch"}, "train.optimizer"),
+                           ({"train.optimizer": "RMSprop", "train.optimizer_args": '{"lr": 1}'},
+                            "--lr"),
+                           ({"train.optimizer": "RMSprop", "train.optimizer_args": '{"x": 1}'},
+                            "optimizer_args")):
+        with pytest.raises((UsageError, ValueError), match=match):
+            train(make_config(BASE, **changes), client=dask_client, model=user_module.Net)
+
+
+def test_init_weights_are_checked_and_used(user_module, dask_client, tmp_path):
+    cfg = make_config(BASE, **{"train.strategy": "single", "train.replicas": 1,
+                               "out": str(tmp_path / "a")})
+    first = train(cfg, client=dask_client, model=user_module.Net)
+    weights = str(tmp_path / "a" / "model.npz")
+    tuned = make_config(BASE, **{"train.strategy": "single", "train.replicas": 1,
+                                 "train.lr": 1e-9, "train.optimizer": "sgd",
+                                 "model.init_weights": weights})
+    again = train(tuned, client=dask_client, model=user_module.Net)
+    np.testing.assert_allclose(again.params["fc/W"], first.params["fc/W"], atol=1e-6)
+    wide = tuned.replace(**{"model.args": '{"width": 8}'})
+    with pytest.raises(UsageError, match=r"--init-weights .* does not fit model usernets:Net"):
+        train(wide, client=dask_client, model=user_module.Net)
+
+
+@pytest.mark.cluster
+def test_a_worker_lost_mid_round_on_an_external_cluster_replays_to_the_same_bits(user_module,
+                                                                                  dask_client):
+    """Workers started by hand (`dask worker` processes) that cannot import usernets: the
+    factory travels by value; one of them is killed mid-round and the replay gives the
+    uninterrupted run's weights."""
+    from tests.clusters import subprocess_cluster
+    from tests.training.test_faults import _Killer
+    cfg = make_config(BASE, **{"train.strategy": "ipm", "train.replicas": 3,
+                               "average.mix_every": "2", "train.epochs": 3,
+                               "cluster.connect_timeout": 5.0})
+    reference = train(cfg, client=dask_client, model=user_module.Net).params
+    with subprocess_cluster(3, resources={"CPU": 1}) as cluster:
+        killer = _Killer(cluster, {1: 1})
+        try:
+            result = train(cfg.replace(**{"cluster.scheduler": cluster.address}),
+                           model=user_module.Net, on_round=killer, log=lambda line: None)
+        finally:
+            killer.close()
+        assert [k[0] for k in killer.killed] == [1], (killer.killed, cluster.logs())
+    assert_same_bits(reference, result.params)
