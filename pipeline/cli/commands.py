@@ -1,4 +1,4 @@
-"""CLI subcommands that run training: train, evaluate, demo."""
+"""CLI subcommands that run training: train, evaluate, predict, demo."""
 from __future__ import annotations
 
 import argparse
@@ -51,6 +51,21 @@ def add_subcommands(sub) -> None:
     options.add_options(e, options.pick("train.tta"))
     options.add_options(e, _EVALUATE_DATA, frame="from config.json beside the weights, else {}")
     e.set_defaults(func=_run_evaluate)
+
+    r = sub.add_parser("predict", help="classify images with a trained run: top-k classes",
+                       description="Top-k classes (names and probabilities) of each image under "
+                                   "the model of --run OUT; images are read as the run's "
+                                   "evaluation read its split (its image size and centre crop).")
+    r.add_argument("--run", metavar="OUT", required=True, help="a run directory written by train")
+    r.add_argument("images", metavar="IMAGE", nargs="+",
+                   help="image files, or folders of them (sorted, nested folders too)")
+    r.add_argument("--top", metavar="K", type=int, default=3,
+                   help="classes shown per image (default: 3)")
+    r.add_argument("--format", choices=("table", "json"), default="table",
+                   help="table: one line per image; json: one JSON object per image "
+                        "(default: table)")
+    options.add_options(r, options.pick("train.tta"))
+    r.set_defaults(func=_run_predict)
 
     d = sub.add_parser("demo", help="the main job: find or synthesize data, preview it, train ipm")
     d.add_argument("--out", metavar="OUT", default="runs/demo",
@@ -157,6 +172,21 @@ def _run_evaluate(args) -> int:
     data = _evaluate_data_config(args)
     tta = bool(getattr(args, "train.tta"))
     print(dumps(evaluate_weights(args.model, args.weights, args.data, tta=tta, data=data)))
+    return 0
+
+
+def _run_predict(args) -> int:
+    from pipeline.outputs.fs import dumps
+    from pipeline.training.predict import predict
+    if args.top < 1:
+        raise UsageError(f"--top must be >= 1, got {args.top}")
+    result = predict(args.run, args.images, tta=bool(getattr(args, "train.tta")))
+    for image, top in zip(result.images, result.top(args.top)):
+        if args.format == "json":
+            print(dumps({"image": image, "top": [{"class": n, "probability": round(p, 4)}
+                                                 for n, p in top]}))
+        else:
+            print(f"{image}  " + "  ".join(f"{n} {p:.3f}" for n, p in top))
     return 0
 
 

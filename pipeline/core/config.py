@@ -21,6 +21,9 @@ CPU_KERNELS = ("ours", "chainer")
 AVERAGE_ALGORITHMS = ("auto", "tree", "sharded", "hierarchical")
 CACHE_MODES = ("auto", "on", "off")
 DATASETS = ("cifar10", "cifar100")
+# What a run's data was, as config.json records it (pipeline.data.datasets.KINDS): a CIFAR
+# name, or the reader of a source that is no CIFAR (the CIFAR reader never sees those).
+RECORDED_DATASETS = DATASETS + ("synthetic", "image-folder", "file-list")
 LABEL_KINDS = ("fine", "coarse")
 
 
@@ -43,7 +46,8 @@ class DataConfig:
     download: bool = opt(False, "fetch the official CIFAR archive (MD5-checked) into the cache "
                          "when it is missing", flag="--download")
     dataset: str = opt("cifar10", "which CIFAR a directory holds or a download fetches (python "
-                       "format)", choices=DATASETS)
+                       "format); config.json records what the data was (cifar10, cifar100, "
+                       "synthetic, image-folder or file-list)", choices=DATASETS)
     label_kind: str = opt("fine", "CIFAR-100 only: fine (100 classes) or coarse (20) labels",
                           choices=LABEL_KINDS)
     image_size: int | None = opt(
@@ -80,8 +84,9 @@ class DataConfig:
                self.cache)
         check(self.max_pixels >= 1, "data.max_pixels", "must be >= 1", self.max_pixels)
         check(self.decode_chunk >= 1, "data.decode_chunk", "must be >= 1", self.decode_chunk)
-        check(self.dataset in DATASETS, "data.dataset", "must be cifar10 or cifar100",
-               self.dataset)
+        check(self.dataset in RECORDED_DATASETS, "data.dataset", "must be cifar10 or cifar100 "
+              "(or, as config.json records it, synthetic, image-folder or file-list)",
+              self.dataset)
         check(self.label_kind in LABEL_KINDS, "data.label_kind", "must be fine or coarse",
                self.label_kind)
 

@@ -65,6 +65,8 @@ def train(config: Config, client=None, *, resume: bool = False, overwrite: bool 
     # CIFAR and synthetic data are checked here, before a cluster starts; image folders and
     # file lists are checked by scan- tasks on the cluster.
     dataset = prepare.load_dataset(config) if prepare.reads_on_driver(config) else None
+    for note in getattr(dataset, "notes", ()):
+        log(note)
     gpus = prepare.check_device(config) if client is None else ()
     prep = prepare.plan(config, out, dataset, found) if dataset is not None else None
     if prep is not None and prep.complete:
@@ -81,9 +83,11 @@ def train(config: Config, client=None, *, resume: bool = False, overwrite: bool 
             prep = prepare.plan(config, out, prepare.load_dataset(config, client), found)
             if prep.complete:
                 return _already_complete(config, out, prep, log)
-        # config.json says what was trained: the data's class count (100 for CIFAR-100)
-        config = config.replace(**{"model.n_classes": prep.dataset.n_classes})
-        run_dir = outputs.RunDir(out, config, log, strategies.get(config.train.strategy).files)
+        # config.json says what was trained: the data's class count (100 for CIFAR-100) and kind
+        ds = prep.dataset
+        config = config.replace(**{"model.n_classes": ds.n_classes, "data.dataset": ds.kind})
+        run_dir = outputs.RunDir(out, config, log, strategies.get(config.train.strategy).files,
+                                 data=data_record(ds))
         try:
             return _run(client, run_dir, log, prep, stop, resume, overwrite,
                         dict(hooks=hooks, on_round=on_round))
@@ -92,6 +96,18 @@ def train(config: Config, client=None, *, resume: bool = False, overwrite: bool 
                 log(f"the new run failed before its first checkpoint; the run it was to replace "
                     f"is back in {out}")
             raise
+
+
+def data_record(dataset) -> dict:
+    """``OUT/data.json``: what the run's data was (kind, class names, splits and their sizes),
+    for ``predict`` and for readers of the run (pipeline.outputs.run_dir)."""
+    return {"kind": dataset.kind, "source": str(dataset.source),
+            "class_names": [str(n) for n in dataset.label_names],
+            "n_classes": int(dataset.n_classes),
+            "splits": {"train": dataset.splits[0], "eval": dataset.splits[1]},
+            "images": {dataset.splits[0]: int(dataset.train_images.shape[0]),
+                       dataset.splits[1]: int(dataset.test_images.shape[0])},
+            "image_shape": [int(n) for n in dataset.train_images.shape[1:]]}
 
 
 def _already_complete(config: Config, out, prep: Prepared, log) -> TrainOutput:

@@ -194,7 +194,9 @@ def _log_plan(setup: Setup, prep: Prepared, log) -> None:
     t = cfg.train
     log(f"{t.strategy}: {ctx.replicas} replica(s) x batch {t.batch_size}, {len(prep.rounds)} "
         f"rounds of up to {prep.period} step(s), {ctx.per_epoch} steps/epoch, "
-        f"{ctx.n_train} training images, model {cfg.model.name}, device {ctx.device}")
+        f"{ctx.n_train} training images of {ctx.n_classes} classes "
+        f"({getattr(prep.dataset, 'kind', cfg.data.dataset)}), model {cfg.model.name}, "
+        f"device {ctx.device}")
 
 
 def _plan_average(setup: Setup, log) -> None:
