@@ -18,7 +18,7 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m pipeline demo --out runs/demo
+	$(PY) -m pipeline demo --out runs/demo --overwrite  # make demo replaces its own run
 
 test: $(STAMP)
 	$(PY) -m pytest --durations=25

@@ -72,6 +72,9 @@ def add_subcommands(sub) -> None:
                    help="output directory (default: runs/demo)")
     d.add_argument("--epochs", metavar="E", type=float, default=3.0,
                    help="passes over the training set (default: 3 epochs)")
+    d.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in --out (without it, a finished or "
+                        "interrupted run there is refused, as train refuses it)")
     d.add_argument("--download", action="store_true",
                    help="fetch CIFAR-10 (170 MB, MD5-checked) into the cache if it is missing; "
                         "without it the demo makes no network connection")
@@ -244,8 +247,13 @@ def _run_demo(args) -> int:
         print(message, file=sys.stderr, flush=True)
 
     from pipeline.outputs import fs as rundir
+    from pipeline.outputs import run_dir
     out = Path(args.out)
-    rundir.check(out, resume=False, overwrite=True)  # only ever replaces a run of ours
+    try:  # as train: a run there is replaced only with --overwrite, and only a run of ours
+        run_dir.prepare(str(out), resume=False, overwrite=args.overwrite)
+    except UsageError as exc:
+        raise UsageError(str(exc).replace("pick another --out", "pick another --out, or "
+                                          "replace it with --overwrite")) from None
     source = _demo_data(log, args.download)
     summary = inspect_dataset(source)
     print(rundir.dumps(summary))
@@ -263,6 +271,6 @@ def _run_demo(args) -> int:
         "train.warmup_epochs": 0.25,  # without it small-cnn sits at chance for the first epoch
         "average.mix_every": "5", "augment.policy": "cifar", "cluster.workers": 2,
         "cluster.threads_per_worker": 1, "out": str(out), "seed": 0})
-    result = train(config, overwrite=True, log=log)
+    result = train(config, overwrite=args.overwrite, log=log)
     print(summary_line(result))
     return 0

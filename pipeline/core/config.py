@@ -313,6 +313,21 @@ class AsyncConfig:
                self.push)
 
 
+def dashboard_port(address: str) -> int | None:
+    """The port of a dashboard address (``HOST:PORT``, ``:PORT``, ``PORT``, ``[v6]:PORT``), or
+    None when it has none in [0, 65535].
+
+    >>> dashboard_port("127.0.0.1:8787"), dashboard_port(":0"), dashboard_port(":99999")
+    (8787, 0, None)
+    """
+    if not isinstance(address, str):
+        return None
+    port = address.rpartition(":")[2]
+    if not (port.isascii() and port.isdigit() and len(port) <= 5):
+        return None
+    return int(port) if int(port) <= 65535 else None
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     scheduler: str | None = opt(None, "a running dask scheduler (tcp://HOST:PORT) instead of a "
@@ -395,6 +410,9 @@ class ClusterConfig:
                "cluster.stall_retire", "must be 0 (never) or in [cluster.stall_report, 1e6]",
                self.stall_retire)
         in_range(self.stall_min_s, 0, DAY_S, "cluster.stall_min_s")
+        check(dashboard_port(self.dashboard_address) is not None, "cluster.dashboard_address",
+              "must be HOST:PORT, :PORT or PORT with a port in [0, 65535] (0: any free port)",
+              self.dashboard_address)
         check(self.blas_kernel is None or bool(_KERNEL.match(self.blas_kernel)),
               "cluster.blas_kernel", "must be an OpenBLAS kernel name (Haswell, SkylakeX, ...)",
               self.blas_kernel)

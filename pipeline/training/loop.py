@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 
 from pipeline.backends import get_backend
 from pipeline.core.config import Config
-from pipeline.core.errors import DivergenceError, Interrupted, one_line
+from pipeline.core.errors import DivergenceError, Interrupted
 from pipeline.outputs import fs as rundir
 from pipeline.outputs import resume as resuming
 from pipeline.outputs import run_dir as outputs
@@ -42,7 +42,10 @@ class TrainOutput(NamedTuple):
 
 
 def _log_default(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    """A line on stderr, above the progress bar (never glued to it)."""
+    from tqdm.std import tqdm
+    tqdm.write(message, file=sys.stderr)
+    sys.stderr.flush()
 
 
 def train(config: Config, client=None, *, resume: bool = False, overwrite: bool = False,
@@ -62,9 +65,12 @@ def train(config: Config, client=None, *, resume: bool = False, overwrite: bool 
     config = prepare.normalise(config)
     out = outputs.prepare(config.out, resume, overwrite)
     found = resuming.load(out, config.to_dict(), log) if resume else None
-    # CIFAR and synthetic data are checked here, before a cluster starts; image folders and
-    # file lists are checked by scan- tasks on the cluster.
-    dataset = prepare.load_dataset(config) if prepare.reads_on_driver(config) else None
+    # Every data check before a cluster starts: CIFAR and synthetic data are read here, image
+    # folders and file lists scanned here (local threads) for a local cluster; only the files
+    # of an external cluster's run (--scheduler: they may be the workers' files) are checked by
+    # scan- tasks on it.
+    dataset = prepare.load_dataset(config) if prepare.checks_before_cluster(config, client) \
+        else None
     for note in getattr(dataset, "notes", ()):
         log(note)
     gpus = prepare.check_device(config) if client is None else ()
@@ -161,6 +167,9 @@ class _Loop:
         self.clock = StageClock(load_seconds=setup.load_seconds, first_round=anchor.round + 1)
         # Wall time counts on from where a resumed run stopped: `seconds` never runs backwards.
         self.started = time.perf_counter() - (history[-1]["seconds"] if history else 0.0)
+        # Rounds computed again after lost work, over the whole run (metrics.jsonl "replayed").
+        self.replayed = int(history[-1].get("replayed", 0)) if history else 0
+        self.workers = recovery.roster(client)  # {address: name}: who left or came back
 
     def run(self) -> TrainOutput:
         from pipeline.training import graph
@@ -210,13 +219,14 @@ class _Loop:
             for extension in self.extensions:
                 if extension.trigger(state):
                     extension(state)
-        r = attempt.anchor.round
+        r = attempt.anchor.round  # rounds count from 0, as in metrics.jsonl and checkpoints/
+        done = f"{r + 1} of {len(self.rounds)} rounds done"
         if not self.out:
-            message = f"interrupted after round {r}; no --out was given, so nothing was saved"
+            message = (f"interrupted after round {r} ({done}); no --out was given, so nothing "
+                       "was saved")
         else:
-            message = (f"interrupted after round {r} of {len(self.rounds)} ({self.stop.name}); "
-                       f"checkpoint saved; resume: python -m pipeline train --resume "
-                       f"{self.out.path}")
+            message = (f"interrupted after round {r} ({done}; {self.stop.name}); checkpoint "
+                       f"saved; resume: python -m pipeline train --resume {self.out.path}")
         raise Interrupted(message, self.stop.exit_status)
 
     def _save_anchor(self, attempt: Attempt) -> None:
@@ -231,6 +241,7 @@ class _Loop:
         """Wait for a round, check it, make its line; a round replayed after lost work is not
         new (its line is written already)."""
         line = self._line(attempt, pending, stream)
+        self._watch_workers(pending.rnd.index)
         new = not self.history or line["round"] > self.history[-1]["round"]
         if new:
             self.history.append(line)
@@ -251,7 +262,22 @@ class _Loop:
                             seconds=time.perf_counter() - self.started,
                             stage_seconds=self.clock.stage_seconds(rnd.index, strategy.stages),
                             bytes_averaged=strategy.bytes_averaged(rnd),
-                            extra=strategy.round_fields(rnd, metrics, pending.records))
+                            extra={**strategy.round_fields(rnd, metrics, pending.records),
+                                   "replayed": self.replayed})
+
+    def _watch_workers(self, rnd: int) -> None:
+        """One line per worker that left, or that its nanny started again, since the last
+        round (the run goes on: distributed recomputed what it held)."""
+        now = recovery.roster(self.client)
+        if not now:
+            return
+        lost, restarted = recovery.worker_changes(self.workers, now)
+        for name in restarted:
+            self.log(f"worker {name} restarted by its nanny during round {rnd}; "
+                     f"{len(now)} worker(s) now")
+        for name in lost:
+            self.log(f"worker {name} left during round {rnd}; {len(now)} worker(s) now")
+        self.workers = now
 
     # ---- recovery --------------------------------------------------------------------------
     def _recovering(self, stream, quiet) -> HostState:
@@ -277,8 +303,11 @@ class _Loop:
                     quiet.keep = self.client.status != "running"  # its close logs the loss
                     raise decision.error from exc
                 retries = decision.retries
-                self.log(f"lost work in round {self._collecting(anchor)} "
-                         f"({one_line(exc)}); replaying from round {anchor.round + 1}")
+                lost_in = self._collecting(anchor)
+                now = recovery.roster(self.client)
+                self.log(recovery.replay_line(exc, self.workers, now, lost_in, anchor.round))
+                self.workers = now or self.workers
+                self.replayed += max(1, lost_in - anchor.round)
                 self._forget(attempt, exc)
                 recovery.await_workers(self.client, self.setup.graph,
                                        self.config.cluster.connect_timeout, self.log,

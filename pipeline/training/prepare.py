@@ -59,6 +59,15 @@ def reads_on_driver(config: Config) -> bool:
     return checks_on_driver(config.data.source, config.data)
 
 
+def checks_before_cluster(config: Config, client=None) -> bool:
+    """Whether the run reads and checks its data before it connects: always for CIFAR and
+    synthetic data; for image folders and file lists when it will start a local cluster (the
+    files are this machine's), not on a given client or --scheduler."""
+    from pipeline.cluster.connection import scheduler_address
+    return reads_on_driver(config) or (client is None
+                                       and scheduler_address(config.cluster) is None)
+
+
 def load_dataset(config: Config, client=None):
     from pipeline.data.datasets import load_dataset as load
     cfg = config.data

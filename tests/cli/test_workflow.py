@@ -1,0 +1,163 @@
+"""A new user's workflow, end to end (issue 25, items 2-4): no run replaced without --overwrite,
+fault and progress lines in the project's words, every data check before the cluster, what the
+data is said in one line.
+
+Most runs go through `pipeline.cli.parser.main` or `pipeline.training.loop.train` in process,
+against the in-process cluster.
+"""
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import tarfile
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline import Config
+from pipeline.cli.parser import main
+from pipeline.data import cifar
+from pipeline.training import tasks
+from pipeline.training.loop import train
+from tests.images import write_folder
+
+GOOD = ["--data", "synthetic:64:16", "--model", "small-cnn", "--strategy", "ipm",
+        "--replicas", "2", "--batch-size", "8", "--mix-every", "2", "--epochs", "0.5",
+        "--no-progress"]
+
+
+def _files(path: Path) -> dict:
+    return {str(p.relative_to(path)): (p.read_bytes() if p.is_file() else None)
+            for p in sorted(path.rglob("*"))}
+
+
+def _no_cluster(*args, **kwargs):
+    raise AssertionError("a cluster was started")
+
+
+# --- 2. no run replaced without --overwrite -----------------------------------------------------
+
+
+def test_demo_refuses_to_replace_a_finished_run_without_overwrite(tmp_path, capsys, dask_client):
+    out = tmp_path / "run"
+    assert main(["train", *GOOD, "--scheduler", dask_client.scheduler.address,
+                 "--out", str(out)]) == 0
+    before = _files(out)
+    capsys.readouterr()
+    assert main(["demo", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "already holds a run" in err[0]
+    assert "--overwrite" in err[0]
+    assert _files(out) == before  # nothing replaced, no preview written
+
+
+# --- 3. fault and progress lines ----------------------------------------------------------------
+
+_FAILED: list = []
+
+
+def _lost_once(params, opt, shard, spec):
+    """A train task of round 2 whose worker 'dies' the first time (as the scheduler reports it)."""
+    import distributed
+    if spec.round == 2 and not _FAILED:
+        _FAILED.append(spec.replica)
+        key = distributed.get_worker().get_current_task()
+        raise distributed.KilledWorker(key, types.SimpleNamespace(address="tcp://gone:1"), 3)
+    return _REAL_TRAIN(params, opt, shard, spec)
+
+
+_REAL_TRAIN = tasks.train
+
+
+def test_lost_work_is_one_line_in_our_words_and_metrics_count_replays(tmp_path, dask_client,
+                                                                      monkeypatch):
+    monkeypatch.setattr(tasks, "train", _lost_once)
+    _FAILED.clear()
+    cfg = Config().replace(**{"data.source": "synthetic:64:16", "train.replicas": 2,
+                              "train.batch_size": 8, "average.mix_every": "2",
+                              "train.epochs": 2.0, "augment.policy": "flip",
+                              "checkpoint_every": 2, "progress": False, "out": str(tmp_path)})
+    log = []
+    train(cfg, dask_client, log=log.append)
+    replays = [x for x in log if "replaying" in x]
+    # checkpoint after round 1: round 2 is replayed alone, on the 2 workers there are
+    assert replays == ["work lost in round 2 (a task died with its workers): replaying round 2 "
+                       "on 2 workers"], log
+    assert not any("KilledWorker" in x or "tcp://" in x for x in log), log
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["round"] for x in lines] == [0, 1, 2, 3]
+    assert [x["replayed"] for x in lines] == [0, 0, 1, 1]
+
+
+def test_the_progress_postfix_shows_the_round_just_counted(monkeypatch):
+    from pipeline.training.extensions import ProgressBar
+    err = io.StringIO()
+    monkeypatch.setattr("sys.stderr", err)
+    bar = ProgressBar()
+    info = types.SimpleNamespace(rounds=[0, 1, 2], first_round=0, config=Config().replace(
+        **{"data.dataset": "image-folder"}))
+    bar.initialize(info)
+    bar.bar.mininterval = 0  # draw at every update, as rounds of over 0.1 s do
+    for n, loss in ((1, 1.234), (2, 0.987)):
+        bar(types.SimpleNamespace(line={"train_loss": loss, "train_acc": 0.5, "test_acc": 0.75}))
+        shown = err.getvalue().split("\r")[-1]
+        # the counter and the postfix of the same round (it showed the round before's)
+        assert f"{n}/3" in shown and f"loss={loss}" in shown and "val_acc=0.750" in shown, shown
+    bar.finalize()
+
+
+def test_replay_lines_name_the_worker_and_the_rounds():
+    from pipeline.training.recovery import replay_line, worker_changes
+    before = {"tcp://127.0.0.1:1": "0", "tcp://127.0.0.1:2": "1"}
+    assert replay_line(OSError("x"), before, {"tcp://127.0.0.1:2": "1"}, 12, 9) == \
+        "worker 0 lost in round 12: replaying rounds 10-12 on 1 worker"
+    assert worker_changes(before, {"tcp://127.0.0.1:3": "0", "tcp://127.0.0.1:2": "1"}) == \
+        ([], ["0"])
+
+
+# --- 4. data checks before the cluster, what the data is -----------------------------------------
+
+
+def test_image_folder_errors_come_before_any_cluster(tmp_path, capsys, monkeypatch):
+    from pipeline.cluster import connection
+    monkeypatch.setattr(connection, "connect", _no_cluster)
+    root = write_folder(tmp_path / "photos", classes=2, per_class=4)
+    (root / "class_1" / "img_001.jpg").write_bytes(b"\xff\xd8\xff\xe0 truncated")
+    assert main(["train", "--data", str(root), "--image-size", "16", "--strategy", "single",
+                 "--no-progress", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "img_001.jpg" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_port_out_of_range_is_refused(capsys):
+    assert main(["train", *GOOD, "--dashboard-address", ":99999"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: cluster.dashboard_address") and "65535" in err, err
+
+
+def test_cifar100_archive_named_cifar10_warns_and_is_recorded(tmp_path, capsys, dask_client):
+    images, labels = cifar.synthetic_batch(0, "train", 0, 60)
+    fine = (labels * 10 + np.arange(60) % 10).astype(np.int32)
+    names = [f"c{i}" for i in range(100)]
+    cifar.write_python100(str(tmp_path), (images, fine, fine // 5),
+                          (images[:20], fine[:20], fine[:20] // 5), names, names[:20])
+    archive = tmp_path / "cifar-10-python.tar.gz"  # a CIFAR-100 archive under CIFAR-10's name
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(tmp_path / "cifar-100-python", arcname="cifar-100-python")
+    shutil.rmtree(tmp_path / "cifar-100-python")
+    out = tmp_path / "out"
+    assert main(["train", "--data", str(archive), "--strategy", "single", "--batch-size", "16",
+                 "--epochs", "1", "--no-progress", "--scheduler", dask_client.scheduler.address,
+                 "--out", str(out)]) == 0
+    err = capsys.readouterr().err.splitlines()
+    warnings = [x for x in err if x.startswith("warning: ")]
+    assert warnings == [f"warning: {archive} holds CIFAR-100 (100 classes), not CIFAR-10 as its "
+                        "name says; training 100 classes"], err
+    assert any(x.startswith("single: ") and "60 training images of 100 classes (cifar100)" in x
+               for x in err), err
+    config = json.loads((out / "config.json").read_text())
+    assert config["data"]["dataset"] == "cifar100" and config["model"]["n_classes"] == 100
