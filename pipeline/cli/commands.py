@@ -7,7 +7,8 @@ from pathlib import Path
 
 from pipeline.cli import options
 from pipeline.core.config import Config
-from pipeline.core.errors import UsageError
+from pipeline.core.errors import Interrupted, UsageError
+from pipeline.core.interrupt import ForcedStop
 
 # The train options: every config field declared with a flag (pipeline.core.config.opt).
 TRAIN_OPTIONS = options.options()
@@ -125,13 +126,25 @@ def _run_train(args) -> int:
         config = config.replace(out=default_out(config.train.strategy))
         print(f"output: {config.out} (--out)", file=sys.stderr, flush=True)
     page = dashboard.DashboardEvents(run=Path(config.out).name)  # the /training page of this run
-    with graceful_stop() as stop, dashboard.dashboard_log(Path(config.out) / "dashboard.log"):
-        result = train(config, resume=bool(args.resume), overwrite=args.overwrite, stop=stop,
-                       hooks=[page])
+    try:
+        with graceful_stop() as stop, dashboard.dashboard_log(Path(config.out) / "dashboard.log"):
+            result = train(config, resume=bool(args.resume), overwrite=args.overwrite,
+                           stop=stop, hooks=[page])
+    except ForcedStop as exc:  # a second Ctrl-C: stopped mid-round, still one line and a hint
+        raise Interrupted(forced_stop_line(exc, Path(config.out)), exc.exit_status) from None
     if result.status == "complete":
         return 0
     print(summary_line(result))
     return 0
+
+
+def forced_stop_line(exc, out: Path) -> str:
+    """What a second signal prints: stopped at once, and where the run can go on from."""
+    from pipeline.outputs import fs as rundir
+    from pipeline.training.recovery import resume_hint
+    dirs = rundir.checkpoint_dirs(out / "checkpoints") if rundir.is_ours(out) else []
+    hint = resume_hint(out, dirs[-1][0] if dirs else -1, bool(dirs))
+    return f"stopped at once ({exc}, a second signal){hint}"
 
 
 def default_out(strategy: str, root: str = "runs") -> str:

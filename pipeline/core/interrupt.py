@@ -71,6 +71,7 @@ def graceful_stop(signals=HANDLED) -> Iterator[StopRequest]:
 
     def handler(signum, frame):
         if stop.requested:
+            quiet_cluster_logs()  # the cluster closes mid-task: its warnings are not news
             raise ForcedStop(signum)
         stop.request(signum)
 
@@ -80,6 +81,15 @@ def graceful_stop(signals=HANDLED) -> Iterator[StopRequest]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def quiet_cluster_logs() -> None:
+    """Silence distributed's loggers in this process (an embedded cluster's scheduler and nannies
+    warn about the tasks and workers a forced stop leaves behind); the stop is the one line."""
+    import logging
+    names = [n for n in logging.root.manager.loggerDict if n.split(".")[0] == "distributed"]
+    for name in ["distributed", *names]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 @contextlib.contextmanager

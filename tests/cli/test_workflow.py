@@ -161,3 +161,51 @@ def test_cifar100_archive_named_cifar10_warns_and_is_recorded(tmp_path, capsys, 
                for x in err), err
     config = json.loads((out / "config.json").read_text())
     assert config["data"]["dataset"] == "cifar100" and config["model"]["n_classes"] == 100
+
+
+def test_a_second_signal_stops_at_once_with_the_resume_hint(tmp_path, capsys, dask_client,
+                                                            monkeypatch):
+    import logging
+    import signal
+
+    from pipeline.core.interrupt import ForcedStop
+    from pipeline.training import loop
+    real = loop.train
+
+    def forced_after_round_2(config, client=None, **kwargs):
+        def on_round(line):
+            if line["round"] == 2:
+                raise ForcedStop(signal.SIGINT)
+        return real(config, client, **{**kwargs, "on_round": on_round})
+    monkeypatch.setattr(loop, "train", forced_after_round_2)
+    level = logging.getLogger("distributed").level
+    out = tmp_path / "run"
+    try:
+        code = main(["train", *GOOD, "--epochs", "2", "--checkpoint-every", "2", "--scheduler",
+                     dask_client.scheduler.address, "--out", str(out)])
+    finally:
+        logging.getLogger("distributed").setLevel(level)
+    assert code == 130
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == (f"stopped at once (SIGINT, a second signal); the last checkpoint is round 1: "
+                    f"resume with `python -m pipeline train --resume {out}`"), last
+
+
+def test_a_second_signal_silences_the_cluster_warnings():
+    import logging
+    import os
+    import signal
+
+    from pipeline.core.interrupt import ForcedStop, graceful_stop
+    loggers = [logging.getLogger(n) for n in ("distributed", "distributed.nanny",
+                                              "distributed.scheduler")]
+    levels = [x.level for x in loggers]
+    try:
+        with pytest.raises(ForcedStop), graceful_stop() as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            assert stop.requested and all(x.level < logging.CRITICAL for x in loggers)
+            os.kill(os.getpid(), signal.SIGINT)
+        assert all(x.getEffectiveLevel() == logging.CRITICAL for x in loggers)
+    finally:
+        for x, level in zip(loggers, levels):
+            x.setLevel(level)
