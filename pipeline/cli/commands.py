@@ -37,6 +37,15 @@ def add_subcommands(sub) -> None:
                    help="go on with the run in OUT from its last checkpoint (with --epochs E: "
                         "train it on to E epochs)")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="start from this config (the config.json format: any run's config.json "
+                        "will do; its out is not taken: --out says where); the options given "
+                        "win over it")
+    p.add_argument("--set", metavar="SECTION.FIELD=VALUE", action="append", default=[],
+                   dest="set_fields",
+                   help="set any config field, also those without an option (data.split_seed=1, "
+                        "data.max_pixels=1000000, data.label_kind=coarse); repeatable; wins over "
+                        "--config and the options")
     options.add_options(p, TRAIN_OPTIONS, grouped=True)
     p.set_defaults(func=_run_train)
 
@@ -84,17 +93,39 @@ def add_subcommands(sub) -> None:
 
 def config_from_args(args: argparse.Namespace) -> Config:
     given = options.given(args, TRAIN_OPTIONS)
+    for text in getattr(args, "set_fields", None) or ():
+        dest, value = options.parse_set(text)
+        given[dest] = value
+    config_file = getattr(args, "config", None)
     if args.resume:
+        if config_file:
+            raise UsageError("--resume OUT goes on with OUT's config.json; do not also give "
+                             "--config")
         base = saved_config(Path(args.resume))
         given["out"] = args.resume
     else:
-        base = Config()
+        base = config_file_config(Path(config_file)) if config_file else Config()
         if args.out is not None:
             given["out"] = args.out
         if given.get("train.strategy") == "single" and "train.replicas" not in given:
             given["train.replicas"] = 1
     given.setdefault("progress", True)  # the terminal's choice, not the saved run's
     return base.replace(**given)
+
+
+def config_file_config(path: Path) -> Config:
+    """The config of ``--config FILE`` (config.json format, read as any input is: a regular
+    file, capped, every field checked); where the outputs go (``out``) is never taken from it."""
+    from pipeline.outputs.fs import read_json
+    if not path.is_file():
+        raise UsageError(f"--config {path}: no such file")
+    saved = read_json(path, UsageError)
+    if isinstance(saved, dict):
+        saved = {k: v for k, v in saved.items() if k not in ("out", "progress")}
+    try:
+        return Config.from_dict(saved)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"--config {path}: {' '.join(str(exc).split())[:160]}") from None
 
 
 def saved_config(run: Path) -> Config:

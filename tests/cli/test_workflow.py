@@ -209,3 +209,48 @@ def test_a_second_signal_silences_the_cluster_warnings():
     finally:
         for x, level in zip(loggers, levels):
             x.setLevel(level)
+
+
+# --- 5. --config FILE and --set for every field --------------------------------------------------
+
+
+def _config_of(*argv):
+    from pipeline.cli.commands import config_from_args
+    from pipeline.cli.parser import build_parser
+    return config_from_args(build_parser().parse_args(["train", *argv]))
+
+
+def test_set_reaches_every_field_also_those_without_an_option():
+    cfg = _config_of("--set", "data.split_seed=3", "--set", "data.max_pixels=1000000",
+                     "--set", "data.label_kind=coarse", "--set", "train.beta1=none",
+                     "--set", "average.mix_every=2ep", "--set", "csv=on", "--lr", "0.5",
+                     "--set", "train.lr=0.02")
+    assert (cfg.data.split_seed, cfg.data.max_pixels, cfg.data.label_kind) == (3, 10 ** 6,
+                                                                               "coarse")
+    assert cfg.train.beta1 is None and cfg.average.mix_every == "2ep" and cfg.csv is True
+    assert cfg.train.lr == 0.02  # --set wins over the option
+
+
+@pytest.mark.parametrize("setting, words", [
+    ("data.split_sed=3", "did you mean"), ("split_seed=3", "did you mean data.split_seed"),
+    ("data.split_seed=x", "'x' is not an integer"), ("data.split_seed", "SECTION.FIELD=VALUE"),
+    ("data.split_seed=-1", "data.split_seed must be >= 0")])
+def test_a_bad_set_is_one_line(setting, words, capsys):
+    assert main(["train", *GOOD, "--set", setting]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+
+
+def test_any_runs_config_json_is_a_starting_point(tmp_path, capsys):
+    saved = Config().replace(**{"train.lr": 0.03, "data.split_seed": 4, "out": "runs/old",
+                                "data.dataset": "image-folder", "model.n_classes": 5})
+    (tmp_path / "config.json").write_text(saved.to_json())
+    cfg = _config_of("--config", str(tmp_path / "config.json"), "--replicas", "2",
+                     "--out", str(tmp_path / "new"))
+    assert cfg.train.lr == 0.03 and cfg.data.split_seed == 4 and cfg.train.replicas == 2
+    assert cfg.out == str(tmp_path / "new")
+    assert _config_of("--config", str(tmp_path / "config.json")).out is None  # not runs/old
+    (tmp_path / "bad.json").write_text('{"train": {"lr": "fast"}}')
+    assert main(["train", "--config", str(tmp_path / "bad.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.lr must be a number" in err[0], err
