@@ -155,7 +155,8 @@ def resume_hint(out, anchor_round: int, has_checkpoint: bool) -> str:
 
 class ConnectionLossFilter(logging.Filter):
     """Drops distributed's own reports of a closed scheduler connection (tracebacks of
-    CommClosedError, a cancelled reconnect): the driver reports a lost scheduler in one line."""
+    CommClosedError, a cancelled reconnect) and of a lost worker (``WORKER_LOSS``): the driver
+    reports each in one line."""
 
     keep = False  # stay installed after the run: the client's close still logs the loss
 
@@ -163,11 +164,18 @@ class ConnectionLossFilter(logging.Filter):
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, (OSError, asyncio.CancelledError)):  # CommClosedError is an OSError
             return False
-        return not str(record.msg).startswith(("Batched Comm Closed", "Failed to reconnect"))
+        return not str(record.msg).startswith(("Batched Comm Closed", "Failed to reconnect",
+                                                *WORKER_LOSS))
 
+
+# What the embedded cluster's scheduler and nannies say when a worker dies: the loop says it
+# in one line of its own (``replay_line``, the roster lines), so theirs would repeat it in
+# Dask's terms (task keys, stimulus ids), glued to the progress bar.
+WORKER_LOSS = ("Restarting worker", "Removing worker", "Worker process ",
+               "Received heartbeat from unregistered worker")
 
 _QUIETED = ("distributed.batched", "distributed.client", "distributed.core", "distributed.utils",
-            "distributed.comm.tcp")
+            "distributed.comm.tcp", "distributed.nanny", "distributed.scheduler")
 
 
 @contextlib.contextmanager

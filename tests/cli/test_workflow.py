@@ -275,3 +275,46 @@ def test_the_readme_resume_example_reaches_the_accuracy_the_readme_states(tmp_pa
     assert main(["train", "--resume", str(out), "--epochs", "4", *scheduler]) == 0
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert abs(last["test_acc"] - stated) <= 0.02, (last["test_acc"], stated)
+
+
+def test_distributeds_own_worker_loss_lines_are_left_to_ours():
+    import logging
+
+    from pipeline.training.recovery import ConnectionLossFilter
+
+    def record(name, msg, *args):
+        return logging.LogRecord(name, logging.WARNING, __file__, 1, msg, args, None)
+    quiet = ConnectionLossFilter()
+    assert not quiet.filter(record("distributed.nanny", "Restarting worker (status=%s)", "x"))
+    assert not quiet.filter(record("distributed.scheduler", "Removing worker 'tcp://1.2.3.4:5' "
+                                   "caused the cluster to lose already computed task(s)"))
+    assert quiet.filter(record("distributed.scheduler", "Scheduler closing all comms"))
+
+
+@pytest.mark.cluster
+def test_a_worker_restarted_by_its_nanny_is_reported(tmp_path):
+    """A worker process killed mid-run: its nanny starts it again, the run says so in one line
+    in its words (and replays if work was lost), no Dask lines, the same rounds written."""
+    import os
+    import signal
+
+    import distributed
+    cfg = Config().replace(**{"data.source": "synthetic:256:64", "train.replicas": 2,
+                              "train.batch_size": 8, "average.mix_every": "2",
+                              "train.epochs": 1.0, "augment.policy": "flip",
+                              "checkpoint_every": 4, "progress": False, "out": str(tmp_path),
+                              "cluster.connect_timeout": 30.0})
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                  dashboard_address="127.0.0.1:0") as cluster, \
+            distributed.Client(cluster, set_as_default=False) as client:
+        pids = client.run(os.getpid)
+        log = []
+
+        def kill_at_round_3(line):
+            if line["round"] == 3:
+                os.kill(pids[sorted(pids)[0]], signal.SIGKILL)
+        train(cfg, client, log=log.append, on_round=kill_at_round_3)
+    said = [x for x in log if "restarted by its nanny" in x or " lost " in x or "left " in x]
+    assert said and all("tcp://" not in x and "Traceback" not in x for x in said), log
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["round"] for x in lines] == list(range(len(lines))) and len(lines) == 8
