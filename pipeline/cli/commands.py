@@ -193,8 +193,9 @@ def summary_line(result) -> str:
     last = result.history[-1] if result.history else {}
     parts = [f"done: {last.get('round', -1) + 1} rounds in {last.get('seconds', 0):.1f} s",
              f"train_acc {last.get('train_acc', float('nan')):.3f}"]
-    if "test_acc" in last:
-        parts.append(f"test_acc {last['test_acc']:.3f}")
+    if "test_acc" in last:  # image sources evaluate on their val split, and say so
+        from pipeline.training.extensions import eval_split
+        parts.append(f"{eval_split(result.config.data.dataset)}_acc {last['test_acc']:.3f}")
     if result.out:
         out = Path(result.out)
         parts.append(f"-> {out / 'metrics.jsonl'}, {out / 'model.npz'}, {out / 'curves.png'}")

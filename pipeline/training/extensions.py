@@ -193,7 +193,8 @@ def curve_labels(info: RunInfo) -> dict:
     """Title, data and class count of the curves of a run."""
     cfg = info.config
     return dict(title=f"{cfg.train.strategy} K={cfg.train.replicas} {cfg.model.name}",
-                dataset=info.dataset, n_classes=info.n_classes)
+                dataset=info.dataset, n_classes=info.n_classes,
+                split=eval_split(cfg.data.dataset))
 
 
 class Curves(Extension):

@@ -6,6 +6,8 @@ Runs go through `pipeline.cli.parser.main` in process against the in-process clu
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -32,11 +34,14 @@ def flowers_run(tmp_path_factory, request):
         for c, name in enumerate(("daisy", "tulip")):
             (root / split / f"class_{c}").rename(root / split / name)
     out = tmp / "run"
+    printed = io.StringIO()
     with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
-                                  dashboard_address="127.0.0.1:0") as cluster:
+                                  dashboard_address="127.0.0.1:0") as cluster, \
+            contextlib.redirect_stdout(printed):
         code = main(["train", "--data", str(root), *FOLDER_ARGS, "--out", str(out),
                      "--scheduler", cluster.scheduler_address])
     assert code == 0
+    request.module.SUMMARY = printed.getvalue()
     return root, out
 
 
@@ -51,6 +56,13 @@ def test_every_run_records_its_data_kind_class_names_and_splits(flowers_run):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_split"] == "val" and summary["dataset_kind"] == "image-folder"
     assert summary["class_names"] == ["daisy", "tulip"]
+    # what the run prints and draws calls the split val, not test
+    import tests.cli.test_predict as this
+    assert " val_acc " in this.SUMMARY and "test_acc" not in this.SUMMARY, this.SUMMARY
+    from pipeline.outputs.plots import curves_figure
+    history = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    fig = curves_figure(history, split="val")
+    assert fig.axes[1].get_legend_handles_labels()[1] == ["train", "val"]
 
 
 def test_predict_command_prints_top_k_names_and_probabilities(flowers_run, tmp_path, capsys):
