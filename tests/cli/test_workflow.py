@@ -318,3 +318,12 @@ def test_a_worker_restarted_by_its_nanny_is_reported(tmp_path):
     assert said and all("tcp://" not in x and "Traceback" not in x for x in said), log
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["round"] for x in lines] == list(range(len(lines))) and len(lines) == 8
+
+
+def test_a_slow_worker_exit_at_the_clusters_close_is_not_printed():
+    import logging
+
+    from pipeline.cluster.connection import _SlowExitFilter
+    record = logging.LogRecord("distributed.nanny", logging.WARNING, __file__, 1,
+                               "Worker process still alive after 4.0 seconds, killing", (), None)
+    assert not _SlowExitFilter().filter(record)
