@@ -1,11 +1,12 @@
 # make demo: create .venv, install, run the main job on the embedded LocalCluster.
 # make test: create .venv, install, run the tests.
+# make notebook: install the [notebook] extra, register the kernel, open JupyterLab on notebooks/.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv bench clean
+.PHONY: demo test venv bench clean notebook
 
 venv: $(STAMP)
 
@@ -18,10 +19,18 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m pipeline demo --out runs/demo
+	$(PY) -m pipeline demo --out runs/demo --overwrite  # make demo replaces its own run
 
 test: $(STAMP)
 	$(PY) -m pytest --durations=25
+
+# The kernel is registered inside .venv (--sys-prefix) under the name the notebooks ask for
+# (python3), so this JupyterLab runs them on .venv's Python, whatever other kernels exist.
+notebook: $(STAMP)
+	$(PY) -m pip install -q --no-build-isolation -e ".[notebook]"
+	$(PY) -m ipykernel install --sys-prefix --name python3 \
+		--display-name "Python 3 (dask-chainer-pipeline)"
+	$(VENV)/bin/jupyter lab notebooks/
 
 bench: $(STAMP)
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done

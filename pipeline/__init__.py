@@ -24,5 +24,12 @@ def load_model(out, model=None):
     return _load_model(out, model)
 
 
+def predict(run_or_model, images, **kwargs):
+    """Class probabilities and names of images under a trained run; see
+    pipeline.training.predict.predict."""
+    from pipeline.training.predict import predict as _predict
+    return _predict(run_or_model, images, **kwargs)
+
+
 __all__ = ["Config", "DataConfig", "AugmentConfig", "ModelConfig", "TrainConfig", "AverageConfig",
-           "ClusterConfig", "train", "load_model"]
+           "ClusterConfig", "train", "load_model", "predict"]

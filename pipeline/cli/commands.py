@@ -1,4 +1,4 @@
-"""CLI subcommands that run training: train, evaluate, demo."""
+"""CLI subcommands that run training: train, evaluate, predict, demo."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,8 @@ from pathlib import Path
 
 from pipeline.cli import options
 from pipeline.core.config import Config
-from pipeline.core.errors import UsageError
+from pipeline.core.errors import Interrupted, UsageError
+from pipeline.core.interrupt import ForcedStop
 
 # The train options: every config field declared with a flag (pipeline.core.config.opt).
 TRAIN_OPTIONS = options.options()
@@ -36,6 +37,15 @@ def add_subcommands(sub) -> None:
                    help="go on with the run in OUT from its last checkpoint (with --epochs E: "
                         "train it on to E epochs)")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="start from this config (the config.json format: any run's config.json "
+                        "will do; its out is not taken: --out says where); the options given "
+                        "win over it")
+    p.add_argument("--set", metavar="SECTION.FIELD=VALUE", action="append", default=[],
+                   dest="set_fields",
+                   help="set any config field, also those without an option (data.split_seed=1, "
+                        "data.max_pixels=1000000, data.label_kind=coarse); repeatable; wins over "
+                        "--config and the options")
     options.add_options(p, TRAIN_OPTIONS, grouped=True)
     p.set_defaults(func=_run_train)
 
@@ -53,11 +63,29 @@ def add_subcommands(sub) -> None:
     options.add_options(e, _EVALUATE_DATA, frame="from config.json beside the weights, else {}")
     e.set_defaults(func=_run_evaluate)
 
+    r = sub.add_parser("predict", help="classify images with a trained run: top-k classes",
+                       description="Top-k classes (names and probabilities) of each image under "
+                                   "the model of --run OUT; images are read as the run's "
+                                   "evaluation read its split (its image size and centre crop).")
+    r.add_argument("--run", metavar="OUT", required=True, help="a run directory written by train")
+    r.add_argument("images", metavar="IMAGE", nargs="+",
+                   help="image files, or folders of them (sorted, nested folders too)")
+    r.add_argument("--top", metavar="K", type=int, default=3,
+                   help="classes shown per image (default: 3)")
+    r.add_argument("--format", choices=("table", "json"), default="table",
+                   help="table: one line per image; json: one JSON object per image "
+                        "(default: table)")
+    options.add_options(r, options.pick("train.tta"))
+    r.set_defaults(func=_run_predict)
+
     d = sub.add_parser("demo", help="the main job: find or synthesize data, preview it, train ipm")
     d.add_argument("--out", metavar="OUT", default="runs/demo",
                    help="output directory (default: runs/demo)")
     d.add_argument("--epochs", metavar="E", type=float, default=3.0,
                    help="passes over the training set (default: 3 epochs)")
+    d.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in --out (without it, a finished or "
+                        "interrupted run there is refused, as train refuses it)")
     d.add_argument("--download", action="store_true",
                    help="fetch CIFAR-10 (170 MB, MD5-checked) into the cache if it is missing; "
                         "without it the demo makes no network connection")
@@ -66,17 +94,39 @@ def add_subcommands(sub) -> None:
 
 def config_from_args(args: argparse.Namespace) -> Config:
     given = options.given(args, TRAIN_OPTIONS)
+    for text in getattr(args, "set_fields", None) or ():
+        dest, value = options.parse_set(text)
+        given[dest] = value
+    config_file = getattr(args, "config", None)
     if args.resume:
+        if config_file:
+            raise UsageError("--resume OUT goes on with OUT's config.json; do not also give "
+                             "--config")
         base = saved_config(Path(args.resume))
         given["out"] = args.resume
     else:
-        base = Config()
+        base = config_file_config(Path(config_file)) if config_file else Config()
         if args.out is not None:
             given["out"] = args.out
         if given.get("train.strategy") == "single" and "train.replicas" not in given:
             given["train.replicas"] = 1
     given.setdefault("progress", True)  # the terminal's choice, not the saved run's
     return base.replace(**given)
+
+
+def config_file_config(path: Path) -> Config:
+    """The config of ``--config FILE`` (config.json format, read as any input is: a regular
+    file, capped, every field checked); where the outputs go (``out``) is never taken from it."""
+    from pipeline.outputs.fs import read_json
+    if not path.is_file():
+        raise UsageError(f"--config {path}: no such file")
+    saved = read_json(path, UsageError)
+    if isinstance(saved, dict):
+        saved = {k: v for k, v in saved.items() if k not in ("out", "progress")}
+    try:
+        return Config.from_dict(saved)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"--config {path}: {' '.join(str(exc).split())[:160]}") from None
 
 
 def saved_config(run: Path) -> Config:
@@ -111,14 +161,28 @@ def _run_train(args) -> int:
     page = dashboard.DashboardEvents(run=Path(config.out).name)  # the /training page of this run
     named = options.given(args, TRAIN_OPTIONS).get("model.name")
     model = named if named and user_code.is_import_path(named) else None  # the user named it
-    with graceful_stop() as stop, dashboard.dashboard_log(Path(config.out) / "dashboard.log"):
-        stop.in_setup = True  # a signal stops at once until the rounds start
-        result = train(config, model=model, resume=bool(args.resume), overwrite=args.overwrite,
-                       stop=stop, hooks=[page])
+    try:
+        with graceful_stop() as stop, dashboard.dashboard_log(Path(config.out) / "dashboard.log"):
+            stop.in_setup = True  # a signal stops at once until the rounds start
+            result = train(config, model=model, resume=bool(args.resume),
+                           overwrite=args.overwrite, stop=stop, hooks=[page])
+    except ForcedStop as exc:  # a second Ctrl-C: stopped mid-round, still one line and a hint
+        if exc.in_setup:
+            raise
+        raise Interrupted(forced_stop_line(exc, Path(config.out)), exc.exit_status) from None
     if result.status == "complete":
         return 0
     print(summary_line(result))
     return 0
+
+
+def forced_stop_line(exc, out: Path) -> str:
+    """What a second signal prints: stopped at once, and where the run can go on from."""
+    from pipeline.outputs import fs as rundir
+    from pipeline.training.recovery import resume_hint
+    dirs = rundir.checkpoint_dirs(out / "checkpoints") if rundir.is_ours(out) else []
+    hint = resume_hint(out, dirs[-1][0] if dirs else -1, bool(dirs))
+    return f"stopped at once ({exc}, a second signal){hint}"
 
 
 def default_out(strategy: str, root: str = "runs") -> str:
@@ -136,8 +200,9 @@ def summary_line(result) -> str:
     last = result.history[-1] if result.history else {}
     parts = [f"done: {last.get('round', -1) + 1} rounds in {last.get('seconds', 0):.1f} s",
              f"train_acc {last.get('train_acc', float('nan')):.3f}"]
-    if "test_acc" in last:
-        parts.append(f"test_acc {last['test_acc']:.3f}")
+    if "test_acc" in last:  # image sources evaluate on their val split, and say so
+        from pipeline.training.extensions import eval_split
+        parts.append(f"{eval_split(result.config.data.dataset)}_acc {last['test_acc']:.3f}")
     if result.out:
         out = Path(result.out)
         parts.append(f"-> {out / 'metrics.jsonl'}, {out / 'model.npz'}, {out / 'curves.png'}")
@@ -167,6 +232,21 @@ def _run_evaluate(args) -> int:
     tta = bool(getattr(args, "train.tta"))
     print(dumps(evaluate_weights(args.model, args.weights, args.data, tta=tta, data=data,
                                  model_args=model_args)))
+    return 0
+
+
+def _run_predict(args) -> int:
+    from pipeline.outputs.fs import dumps
+    from pipeline.training.predict import predict
+    if args.top < 1:
+        raise UsageError(f"--top must be >= 1, got {args.top}")
+    result = predict(args.run, args.images, tta=bool(getattr(args, "train.tta")))
+    for image, top in zip(result.images, result.top(args.top)):
+        if args.format == "json":
+            print(dumps({"image": image, "top": [{"class": n, "probability": round(p, 4)}
+                                                 for n, p in top]}))
+        else:
+            print(f"{image}  " + "  ".join(f"{n} {p:.3f}" for n, p in top))
     return 0
 
 
@@ -224,8 +304,13 @@ def _run_demo(args) -> int:
         print(message, file=sys.stderr, flush=True)
 
     from pipeline.outputs import fs as rundir
+    from pipeline.outputs import run_dir
     out = Path(args.out)
-    rundir.check(out, resume=False, overwrite=True)  # only ever replaces a run of ours
+    try:  # as train: a run there is replaced only with --overwrite, and only a run of ours
+        run_dir.prepare(str(out), resume=False, overwrite=args.overwrite)
+    except UsageError as exc:
+        raise UsageError(str(exc).replace("pick another --out", "pick another --out, or "
+                                          "replace it with --overwrite")) from None
     source = _demo_data(log, args.download)
     summary = inspect_dataset(source)
     print(rundir.dumps(summary))
@@ -243,6 +328,6 @@ def _run_demo(args) -> int:
         "train.warmup_epochs": 0.25,  # without it small-cnn sits at chance for the first epoch
         "average.mix_every": "5", "augment.policy": "cifar", "cluster.workers": 2,
         "cluster.threads_per_worker": 1, "out": str(out), "seed": 0})
-    result = train(config, overwrite=True, log=log)
+    result = train(config, overwrite=args.overwrite, log=log)
     print(summary_line(result))
     return 0

@@ -99,6 +99,72 @@ def section_given(args: argparse.Namespace, opts: list[Option], section: str) ->
             if d.partition(".")[0] == section}
 
 
+# ---- --set section.field=VALUE and --config FILE: every field, flag or not ---------------------
+
+def fields(cls=Config, prefix: str = "") -> dict:
+    """{dotted name: dataclasses.Field} of every config field, sections included.
+
+    >>> names = fields(); "data.split_seed" in names and "train.lr" in names and "seed" in names
+    True
+    """
+    found = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.default_factory):
+            found.update(fields(f.default_factory, f"{prefix}{f.name}."))
+        else:
+            found[prefix + f.name] = f
+    return found
+
+
+_TRUE, _FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
+
+
+def parse_set(text: str) -> tuple[str, object]:
+    """``"section.field=VALUE"`` -> ``(dest, value)``, the value read as the field's type
+    (``none``/``null`` for a field that may be None; true/false, on/off for switches).
+
+    >>> parse_set("data.split_seed=3"), parse_set("train.beta1=none"), parse_set("csv=on")
+    (('data.split_seed', 3), ('train.beta1', None), ('csv', True))
+    >>> parse_set("average.mix_every=2ep")
+    ('average.mix_every', '2ep')
+    """
+    name, sep, raw = text.partition("=")
+    name = name.strip()
+    known = fields()
+    if not sep or name not in known:
+        import difflib
+        close = [n for n in known if n.split(".")[-1] == name] or \
+            difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else " (python -m pipeline train --help "             "lists the sections; config.json shows every field)"
+        raise ValueError(f"--set {text[:60]!r}: expected SECTION.FIELD=VALUE with a config "
+                         f"field{hint}" if sep else f"--set {text[:60]!r}: expected "
+                         f"SECTION.FIELD=VALUE")
+    kinds = [k.strip() for k in str(known[name].type).split("|")]
+    value = raw.strip()
+    if "None" in kinds and value.lower() in ("none", "null"):
+        return name, None
+    for kind in kinds:
+        parsed = _parse(value, kind)
+        if parsed is not None:
+            return name, parsed
+    words = " or ".join({"int": "an integer", "float": "a number", "bool": "true or false",
+                         "str": "a string", "None": "none"}[k] for k in kinds)
+    raise ValueError(f"--set {name}: {value[:60]!r} is not {words}")
+
+
+def _parse(value: str, kind: str):
+    """``value`` as ``kind``, or None where it is not one."""
+    if kind == "str":
+        return value
+    if kind == "bool":
+        low = value.lower()
+        return True if low in _TRUE else False if low in _FALSE else None
+    try:
+        return int(value) if kind == "int" else float(value) if kind == "float" else None
+    except ValueError:
+        return None
+
+
 def defer(make: Callable[[], str]) -> Callable[[], str]:
     """Help written by ``make`` when --help is shown, ``%`` kept literal."""
     return lambda: make().replace("%", "%%")

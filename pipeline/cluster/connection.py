@@ -167,8 +167,27 @@ def _embedded_cluster(cfg: ClusterConfig, gpus: list[str],
                                f"`if __name__ == '__main__':` around it)") from exc
         _EMBEDDED.add(cluster)
         # Client before cluster on the way out: the reverse order logs CommClosedError tracebacks.
-        with cluster, distributed.Client(cluster) as client:
+        with _quiet_close(), cluster, distributed.Client(cluster) as client:
             yield client
+
+
+class _SlowExitFilter(logging.Filter):
+    """Drops the nanny's "Worker process still alive after 4.0 seconds, killing" while our own
+    cluster closes: on a busy machine a worker takes longer to exit, and killing it then is the
+    plan, not news (it printed after the run's last line)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Worker process still alive after")
+
+
+@contextlib.contextmanager
+def _quiet_close() -> Iterator[None]:
+    nanny, quiet = logging.getLogger("distributed.nanny"), _SlowExitFilter()
+    nanny.addFilter(quiet)
+    try:
+        yield
+    finally:
+        nanny.removeFilter(quiet)
 
 
 def _start_embedded(cfg: ClusterConfig, gpus: list[str], roles: Roles) -> distributed.SpecCluster:

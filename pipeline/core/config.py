@@ -21,6 +21,9 @@ CPU_KERNELS = ("ours", "chainer")
 AVERAGE_ALGORITHMS = ("auto", "tree", "sharded", "hierarchical")
 CACHE_MODES = ("auto", "on", "off")
 DATASETS = ("cifar10", "cifar100")
+# What a run's data was, as config.json records it (pipeline.data.datasets.KINDS): a CIFAR
+# name, or the reader of a source that is no CIFAR (the CIFAR reader never sees those).
+RECORDED_DATASETS = DATASETS + ("synthetic", "image-folder", "file-list")
 LABEL_KINDS = ("fine", "coarse")
 
 
@@ -44,7 +47,8 @@ class DataConfig:
     download: bool = opt(False, "fetch the official CIFAR archive (MD5-checked) into the cache "
                          "when it is missing", flag="--download")
     dataset: str = opt("cifar10", "which CIFAR a directory holds or a download fetches (python "
-                       "format)", choices=DATASETS)
+                       "format); config.json records what the data was (cifar10, cifar100, "
+                       "synthetic, image-folder or file-list)", choices=DATASETS)
     label_kind: str = opt("fine", "CIFAR-100 only: fine (100 classes) or coarse (20) labels",
                           choices=LABEL_KINDS)
     image_size: int | None = opt(
@@ -81,8 +85,9 @@ class DataConfig:
                self.cache)
         check(self.max_pixels >= 1, "data.max_pixels", "must be >= 1", self.max_pixels)
         check(self.decode_chunk >= 1, "data.decode_chunk", "must be >= 1", self.decode_chunk)
-        check(self.dataset in DATASETS, "data.dataset", "must be cifar10 or cifar100",
-               self.dataset)
+        check(self.dataset in RECORDED_DATASETS, "data.dataset", "must be cifar10 or cifar100 "
+              "(or, as config.json records it, synthetic, image-folder or file-list)",
+              self.dataset)
         check(self.label_kind in LABEL_KINDS, "data.label_kind", "must be fine or coarse",
                self.label_kind)
 
@@ -349,6 +354,21 @@ class AsyncConfig:
                self.push)
 
 
+def dashboard_port(address: str) -> int | None:
+    """The port of a dashboard address (``HOST:PORT``, ``:PORT``, ``PORT``, ``[v6]:PORT``), or
+    None when it has none in [0, 65535].
+
+    >>> dashboard_port("127.0.0.1:8787"), dashboard_port(":0"), dashboard_port(":99999")
+    (8787, 0, None)
+    """
+    if not isinstance(address, str):
+        return None
+    port = address.rpartition(":")[2]
+    if not (port.isascii() and port.isdigit() and len(port) <= 5):
+        return None
+    return int(port) if int(port) <= 65535 else None
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     scheduler: str | None = opt(None, "a running dask scheduler (tcp://HOST:PORT) instead of a "
@@ -431,6 +451,9 @@ class ClusterConfig:
                "cluster.stall_retire", "must be 0 (never) or in [cluster.stall_report, 1e6]",
                self.stall_retire)
         in_range(self.stall_min_s, 0, DAY_S, "cluster.stall_min_s")
+        check(dashboard_port(self.dashboard_address) is not None, "cluster.dashboard_address",
+              "must be HOST:PORT, :PORT or PORT with a port in [0, 65535] (0: any free port)",
+              self.dashboard_address)
         check(self.blas_kernel is None or bool(_KERNEL.match(self.blas_kernel)),
               "cluster.blas_kernel", "must be an OpenBLAS kernel name (Haswell, SkylakeX, ...)",
               self.blas_kernel)

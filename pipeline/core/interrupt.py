@@ -61,6 +61,7 @@ class ForcedStop(KeyboardInterrupt):
         name = signal.Signals(signum).name
         super().__init__(name)
         self.exit_status = 128 + int(signum)
+        self.in_setup = in_setup
         self.line = (f"error: interrupted ({name}) while the run was being set up; no round "
                      "ran and nothing was written" if in_setup else
                      "error: interrupted; a run stops cleanly at the next round boundary after "
@@ -82,6 +83,8 @@ def graceful_stop(signals=HANDLED) -> Iterator[StopRequest]:
 
     def handler(signum, frame):
         if stop.requested or stop.in_setup:
+            if stop.requested:
+                quiet_cluster_logs()  # the cluster closes mid-task: its warnings are not news
             raise ForcedStop(signum, in_setup=stop.in_setup and not stop.requested)
         stop.request(signum)
 
@@ -91,6 +94,15 @@ def graceful_stop(signals=HANDLED) -> Iterator[StopRequest]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def quiet_cluster_logs() -> None:
+    """Silence distributed's loggers in this process (an embedded cluster's scheduler and nannies
+    warn about the tasks and workers a forced stop leaves behind); the stop is the one line."""
+    import logging
+    names = [n for n in logging.root.manager.loggerDict if n.split(".")[0] == "distributed"]
+    for name in ["distributed", *names]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 @contextlib.contextmanager

@@ -66,6 +66,13 @@ class Dataset(NamedTuple):
     stream: object = None  # image sources: the training files for decoding them again each epoch
     #                        when they are not cached (pipeline.data.images.Stream)
     info: dict | None = None  # the reader's extra inspect fields (arrays: the fingerprint, ...)
+    kind: str = "cifar10"  # what the data is (KINDS): recorded as config.json's data.dataset
+    splits: tuple = ("train", "test")  # the splits' names: image sources evaluate on "val"
+    notes: tuple = ()  # one-line warnings about the data (a file named for another dataset)
+
+
+# What a source holds, as recorded in config.json (data.dataset) and OUT/data.json.
+KINDS = ("synthetic", "cifar10", "cifar100", "image-folder", "file-list", "arrays")
 
 
 def load_dataset(source: str, cfg: DataConfig | None = None, download: bool = False,
@@ -90,14 +97,54 @@ def load_dataset(source: str, cfg: DataConfig | None = None, download: bool = Fa
     >>> ds.train_images.shape, ds.train_images.chunks[0], ds.test_labels.dtype
     ((50, 3, 32, 32), (10, 10, 10, 10, 10), dtype('int32'))
     """
-    plan = _plan(source, cfg or DataConfig(), download, client)
+    cfg = cfg or DataConfig()
+    plan = _plan(source, cfg, download, client)
     if plan.arrays is not None:  # data that is an array already (pipeline.data.arrays)
         train_images, train_labels, test_images, test_labels = plan.arrays
     else:
         train_images, train_labels = _arrays(plan, plan.train, "train")
         test_images, test_labels = _arrays(plan, plan.test, "test")
+    kind = kind_of(source, cfg, plan)
+    splits = ("train", "test") if kind in ("synthetic", "cifar10", "cifar100", "arrays") \
+        else ("train", "val")
     return Dataset(train_images, train_labels, test_images, test_labels, list(plan.label_names),
-                   len(plan.label_names), plan.source, plan.stream, plan.info)
+                   len(plan.label_names), plan.source, plan.stream, plan.info, kind, splits,
+                   name_mismatch(source, kind))
+
+
+def kind_of(source: str, cfg: DataConfig, plan: Plan) -> str:
+    """Which of :data:`KINDS` a planned source is.
+
+    >>> kind_of("synthetic:50:10", DataConfig(), _plan("synthetic:50:10", DataConfig(), False))
+    'synthetic'
+    """
+    name = reader_for(source, cfg).name
+    if name != "cifar":
+        return name
+    return "cifar100" if str(plan.ident[0]).startswith("cifar100") else "cifar10"
+
+
+def name_mismatch(source: str, kind: str) -> tuple:
+    """A one-line warning when the source's name says one CIFAR and its files hold the other
+    (a CIFAR-100 archive renamed, or given where CIFAR-10 was meant).
+
+    >>> name_mismatch("/data/cifar-10-python.tar.gz", "cifar100")[0][:60]
+    'warning: /data/cifar-10-python.tar.gz holds CIFAR-100 (100 c'
+    >>> name_mismatch("cifar10", "cifar10")
+    ()
+    """
+    if kind not in ("cifar10", "cifar100"):
+        return ()
+    base = os.path.basename(str(source).rstrip(os.sep)).lower().replace("_", "-")
+    says100 = bool(re.search(r"cifar-?100", base))
+    says10 = bool(re.search(r"cifar-?10(?!0)", base))
+    if kind == "cifar100" and says10 and not says100:
+        return (f"warning: {source} holds CIFAR-100 (100 classes), not CIFAR-10 as its name "
+                "says; training 100 classes",)
+    if kind == "cifar10" and says100:
+        return (f"warning: {source} holds CIFAR-10 (10 classes), not CIFAR-100 as its name "
+                "says; training 10 classes",)
+    return ()
 
 
 def inspect_dataset(source: str, download: bool = False, cfg: DataConfig | None = None) -> dict:

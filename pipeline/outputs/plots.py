@@ -9,10 +9,11 @@ from matplotlib.figure import Figure
 
 
 def curves_figure(history: list[dict], title: str = "", dataset: str | None = None,
-                  n_classes: int | None = None) -> Figure:
+                  n_classes: int | None = None, split: str = "test") -> Figure:
     """Three panels: train/test loss vs epoch, train/test accuracy vs epoch, and accuracy vs
     seconds of training. With ``n_classes`` a dashed line marks chance level (loss ln C,
-    accuracy 1/C); ``dataset`` goes into the title.
+    accuracy 1/C); ``dataset`` goes into the title; ``split`` names the evaluated split (image
+    sources: val).
 
     >>> fig = curves_figure([{"epoch_float": 1.0, "seconds": 2.0, "train_loss": 2.3,
     ...                       "train_acc": 0.1}], "ipm", dataset="synthetic", n_classes=10)
@@ -25,12 +26,12 @@ def curves_figure(history: list[dict], title: str = "", dataset: str | None = No
     epochs = [h["epoch_float"] for h in history]
     test_epochs = [h["epoch_float"] for h in tested]
     loss_ax.plot(epochs, [h["train_loss"] for h in history], label="train", alpha=0.7)
-    loss_ax.plot(test_epochs, [h["test_loss"] for h in tested], "o-", label="test")
+    loss_ax.plot(test_epochs, [h["test_loss"] for h in tested], "o-", label=split)
     loss_ax.set_ylabel("loss")
     for ax, x, xt in ((acc_ax, epochs, test_epochs),
                       (time_ax, [h["seconds"] for h in history], [h["seconds"] for h in tested])):
         ax.plot(x, [h["train_acc"] for h in history], label="train", alpha=0.7)
-        ax.plot(xt, [h["test_acc"] for h in tested], "o-", label="test")
+        ax.plot(xt, [h["test_acc"] for h in tested], "o-", label=split)
         ax.set_ylabel("accuracy")
         ax.set_ylim(0, 1)
     if n_classes:
@@ -51,13 +52,14 @@ def curves_figure(history: list[dict], title: str = "", dataset: str | None = No
 
 
 def save_curves(history: list[dict], path: str | Path, title: str = "",
-                dataset: str | None = None, n_classes: int | None = None) -> Path:
+                dataset: str | None = None, n_classes: int | None = None,
+                split: str = "test") -> Path:
     """Write the figure under a temporary name and rename it: a reader never sees half a PNG
     (``checkpoint.write_atomic``: OutputError naming the path, no temporary left, on a full
     disk)."""
     from pipeline.outputs.checkpoint import write_atomic
     path = Path(path)
     buf = io.BytesIO()
-    curves_figure(history, title, dataset, n_classes).savefig(buf, format="png", dpi=100)
+    curves_figure(history, title, dataset, n_classes, split).savefig(buf, format="png", dpi=100)
     write_atomic(path, buf.getvalue())
     return path

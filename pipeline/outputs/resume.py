@@ -21,7 +21,8 @@ from pipeline.outputs.fs import has_checkpoint, read_json
 RESUMABLE = frozenset({"cluster", "out", "progress", "tensorboard", "csv", "anchor_every"})
 # Fields a resume may change to train a run longer: ``--resume OUT --epochs N``; and fields the
 # data decides (the class count: data.* is compared, and config.json records what the data said).
-EXTENDABLE = frozenset({("train", "epochs"), ("model", "n_classes"), ("model", "input_size")})
+EXTENDABLE = frozenset({("train", "epochs"), ("model", "n_classes"), ("model", "input_size"),
+                        ("data", "dataset")})
 # How the replicas' mean travels between hosts: every averaging algorithm gives the same bits
 # (pipeline.averaging.order), so a run may resume on another cluster with another one; likewise
 # which workers train (results never depend on placement).

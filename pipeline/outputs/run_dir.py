@@ -17,7 +17,8 @@ from pipeline.outputs.checkpoint import HostState
 from pipeline.core.errors import UsageError
 
 # Files of a finished or interrupted run that --overwrite removes (strategies may add their own).
-RUN_FILES = ("metrics.jsonl", "metrics.csv", "model.npz", "curves.png", "summary.json")
+RUN_FILES = ("metrics.jsonl", "metrics.csv", "model.npz", "curves.png", "summary.json",
+             "data.json")
 RUN_DIRS = ("checkpoints", "tensorboard")
 
 
@@ -53,8 +54,10 @@ def prepare(out: str | None, resume: bool, overwrite: bool) -> Path | None:
 class RunDir:
     """The output directory of one run (``path`` None: a run that writes nothing)."""
 
-    def __init__(self, path: Path | None, config, log=None, extra_files: tuple = ()):
+    def __init__(self, path: Path | None, config, log=None, extra_files: tuple = (),
+                 data: dict | None = None):
         self.path, self.config = path, config
+        self.data = data  # data.json: the data's kind, class names and splits
         self.log = log or (lambda message: None)
         self.extra_files = tuple(extra_files)
 
@@ -70,6 +73,8 @@ class RunDir:
         if not resume and overwrite:  # set aside until the new run's first checkpoint
             rundir.set_aside(self.path, RUN_FILES + RUN_DIRS + self.extra_files)
         checkpoint.write_atomic(self.path / "config.json", self.config.to_json())
+        if self.data is not None:
+            checkpoint.write_atomic(self.path / "data.json", rundir.dumps(self.data, indent=1))
         if resume:
             for name in checkpoint.remove_temporaries(self.path):  # a killed driver's half-writes
                 self.log(f"removed {name}, left by an interrupted write")
@@ -116,5 +121,7 @@ class RunDir:
                        seconds=last.get("seconds"), train_acc=last.get("train_acc"),
                        test_acc=last.get("test_acc"), test_loss=last.get("test_loss"),
                        model=self.config.model.name, n_classes=labels.get("n_classes"),
-                       dataset=labels.get("dataset"))
+                       dataset=labels.get("dataset"), dataset_kind=self.config.data.dataset,
+                       eval_split=(self.data or {}).get("splits", {}).get("eval", "test"),
+                       class_names=(self.data or {}).get("class_names"))
         checkpoint.write_atomic(self.path / "summary.json", rundir.dumps(summary, indent=1))

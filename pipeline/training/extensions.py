@@ -116,23 +116,34 @@ class ProgressBar(Extension):
 
     def __init__(self):
         self.bar = None
+        self.split = "test"  # the evaluated split's name: image sources call theirs val
 
     def initialize(self, info: RunInfo) -> None:
-        from tqdm.std import tqdm  # text bar: tqdm.auto warns in kernels without ipywidgets
+        from tqdm.std import tqdm
+        self.split = eval_split(info.config.data.dataset)  # text bar: tqdm.auto warns in kernels without ipywidgets
         self.bar = tqdm(total=len(info.rounds), initial=info.first_round, unit="round",
                         disable=not info.config.progress, file=sys.stderr, dynamic_ncols=True)
 
     def __call__(self, state: RoundState) -> None:
         line = state.line
-        self.bar.update(1)
         postfix = dict(loss=f"{line['train_loss']:.3f}", acc=f"{line['train_acc']:.3f}")
         if "test_acc" in line:
-            postfix["test_acc"] = f"{line['test_acc']:.3f}"
-        self.bar.set_postfix(postfix, refresh=False)
+            postfix[f"{self.split}_acc"] = f"{line['test_acc']:.3f}"
+        self.bar.set_postfix(postfix, refresh=False)  # before update, which draws: no lag
+        self.bar.update(1)
 
     def finalize(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def eval_split(kind: str) -> str:
+    """The name of the split a run evaluates on: ``val`` for image folders and file lists.
+
+    >>> eval_split("cifar10"), eval_split("image-folder")
+    ('test', 'val')
+    """
+    return "val" if kind in ("image-folder", "file-list") else "test"
 
 
 # ---- the state after the round ---------------------------------------------------------------
@@ -182,7 +193,8 @@ def curve_labels(info: RunInfo) -> dict:
     """Title, data and class count of the curves of a run."""
     cfg = info.config
     return dict(title=f"{cfg.train.strategy} K={cfg.train.replicas} {cfg.model.name}",
-                dataset=info.dataset, n_classes=info.n_classes)
+                dataset=info.dataset, n_classes=info.n_classes,
+                split=eval_split(cfg.data.dataset))
 
 
 class Curves(Extension):

@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 
 from pipeline.backends import get_backend
 from pipeline.core.config import Config
-from pipeline.core.errors import ClusterError, DivergenceError, Interrupted, one_line
+from pipeline.core.errors import ClusterError, DivergenceError, Interrupted
 from pipeline.outputs import fs as rundir
 from pipeline.outputs import resume as resuming
 from pipeline.outputs import run_dir as outputs
@@ -42,7 +42,10 @@ class TrainOutput(NamedTuple):
 
 
 def _log_default(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    """A line on stderr, above the progress bar (never glued to it)."""
+    from tqdm.std import tqdm
+    tqdm.write(message, file=sys.stderr)
+    sys.stderr.flush()
 
 
 def train(config: Config, client=None, *, model=None, data=None, resume: bool = False,
@@ -73,10 +76,14 @@ def train(config: Config, client=None, *, model=None, data=None, resume: bool = 
     out = outputs.prepare(config.out, resume, overwrite)
     config, dataset, client = prepare.given_data(config, data, client, log)
     found = resuming.load(out, config.to_dict(), log) if resume else None
-    # CIFAR and synthetic data are checked here, before a cluster starts; image folders and
-    # file lists are checked by scan- tasks on the cluster.
-    if dataset is None and prepare.reads_on_driver(config):
+    # Every data check before a cluster starts: CIFAR and synthetic data are read here, image
+    # folders and file lists scanned here (local threads) for a local cluster; only the files
+    # of an external cluster's run (--scheduler: they may be the workers' files) are checked by
+    # scan- tasks on it. Arrays given as data= were checked by given_data.
+    if dataset is None and prepare.checks_before_cluster(config, client):
         dataset = prepare.load_dataset(config)
+    for note in getattr(dataset, "notes", ()):
+        log(note)
     gpus = prepare.check_device(config) if client is None else ()
     spec = prepare.resolve_model(config, factory, dataset)  # the contract, one dry forward
     prep = prepare.plan(config, out, dataset, found, spec) if dataset is not None else None
@@ -96,10 +103,13 @@ def train(config: Config, client=None, *, model=None, data=None, resume: bool = 
             prep = prepare.plan(config, out, dataset, found, spec)
             if prep.complete:
                 return _already_complete(config, out, prep, log)
-        # config.json says what was trained: the data's class count (100 for CIFAR-100)
-        config = config.replace(**{"model.n_classes": prep.dataset.n_classes,
-                                   "model.input_size": prepare.image_size(config, prep.dataset)[0]})
-        run_dir = outputs.RunDir(out, config, log, strategies.get(config.train.strategy).files)
+        # config.json says what was trained: the data's class count (100 for CIFAR-100), its
+        # kind and the image size the model was checked at
+        ds = prep.dataset
+        config = config.replace(**{"model.n_classes": ds.n_classes, "data.dataset": ds.kind,
+                                   "model.input_size": prepare.image_size(config, ds)[0]})
+        run_dir = outputs.RunDir(out, config, log, strategies.get(config.train.strategy).files,
+                                 data=data_record(ds))
         try:
             return _run(client, run_dir, log, prep, stop, resume, overwrite,
                         dict(hooks=hooks, on_round=on_round))
@@ -108,6 +118,18 @@ def train(config: Config, client=None, *, model=None, data=None, resume: bool = 
                 log(f"the new run failed before its first checkpoint; the run it was to replace "
                     f"is back in {out}")
             raise
+
+
+def data_record(dataset) -> dict:
+    """``OUT/data.json``: what the run's data was (kind, class names, splits and their sizes),
+    for ``predict`` and for readers of the run (pipeline.outputs.run_dir)."""
+    return {"kind": dataset.kind, "source": str(dataset.source),
+            "class_names": [str(n) for n in dataset.label_names],
+            "n_classes": int(dataset.n_classes),
+            "splits": {"train": dataset.splits[0], "eval": dataset.splits[1]},
+            "images": {dataset.splits[0]: int(dataset.train_images.shape[0]),
+                       dataset.splits[1]: int(dataset.test_images.shape[0])},
+            "image_shape": [int(n) for n in dataset.train_images.shape[1:]]}
 
 
 def _already_complete(config: Config, out, prep: Prepared, log) -> TrainOutput:
@@ -166,6 +188,9 @@ class _Loop:
         self.clock = StageClock(load_seconds=setup.load_seconds, first_round=anchor.round + 1)
         # Wall time counts on from where a resumed run stopped: `seconds` never runs backwards.
         self.started = time.perf_counter() - (history[-1]["seconds"] if history else 0.0)
+        # Rounds computed again after lost work, over the whole run (metrics.jsonl "replayed").
+        self.replayed = int(history[-1].get("replayed", 0)) if history else 0
+        self.workers = recovery.roster(client)  # {address: name}: who left or came back
 
     def run(self) -> TrainOutput:
         from pipeline.training import graph
@@ -215,13 +240,14 @@ class _Loop:
             for extension in self.extensions:
                 if extension.trigger(state):
                     extension(state)
-        r = attempt.anchor.round
+        r = attempt.anchor.round  # rounds count from 0, as in metrics.jsonl and checkpoints/
+        done = f"{r + 1} of {len(self.rounds)} rounds done"
         if not self.out:
-            message = f"interrupted after round {r}; no --out was given, so nothing was saved"
+            message = (f"interrupted after round {r} ({done}); no --out was given, so nothing "
+                       "was saved")
         else:
-            message = (f"interrupted after round {r} of {len(self.rounds)} ({self.stop.name}); "
-                       f"checkpoint saved; resume: python -m pipeline train --resume "
-                       f"{self.out.path}")
+            message = (f"interrupted after round {r} ({done}; {self.stop.name}); checkpoint "
+                       f"saved; resume: python -m pipeline train --resume {self.out.path}")
         raise Interrupted(message, self.stop.exit_status)
 
     def _save_anchor(self, attempt: Attempt) -> None:
@@ -236,6 +262,7 @@ class _Loop:
         """Wait for a round, check it, make its line; a round replayed after lost work is not
         new (its line is written already)."""
         line = self._line(attempt, pending, stream)
+        self._watch_workers(pending.rnd.index)
         new = not self.history or line["round"] > self.history[-1]["round"]
         if new:
             self.history.append(line)
@@ -258,7 +285,22 @@ class _Loop:
                             seconds=time.perf_counter() - self.started,
                             stage_seconds=self.clock.stage_seconds(rnd.index, strategy.stages),
                             bytes_averaged=strategy.bytes_averaged(rnd),
-                            extra=strategy.round_fields(rnd, metrics, pending.records))
+                            extra={**strategy.round_fields(rnd, metrics, pending.records),
+                                   "replayed": self.replayed})
+
+    def _watch_workers(self, rnd: int) -> None:
+        """One line per worker that left, or that its nanny started again, since the last
+        round (the run goes on: distributed recomputed what it held)."""
+        now = recovery.roster(self.client)
+        if not now:
+            return
+        lost, restarted = recovery.worker_changes(self.workers, now)
+        for name in restarted:
+            self.log(f"worker {name} restarted by its nanny during round {rnd}; "
+                     f"{len(now)} worker(s) now")
+        for name in lost:
+            self.log(f"worker {name} left during round {rnd}; {len(now)} worker(s) now")
+        self.workers = now
 
     # ---- recovery --------------------------------------------------------------------------
     def _recovering(self, stream, quiet) -> HostState:
@@ -284,8 +326,11 @@ class _Loop:
                     quiet.keep = self.client.status != "running"  # its close logs the loss
                     raise decision.error from exc
                 retries = decision.retries
-                self.log(f"lost work in round {self._collecting(anchor)} "
-                         f"({one_line(exc)}); replaying from round {anchor.round + 1}")
+                lost_in = self._collecting(anchor)
+                now = recovery.roster(self.client)
+                self.log(recovery.replay_line(exc, self.workers, now, lost_in, anchor.round))
+                self.workers = now or self.workers
+                self.replayed += max(1, lost_in - anchor.round)
                 self._forget(attempt, exc)
                 recovery.await_workers(self.client, self.setup.graph,
                                        self.config.cluster.connect_timeout, self.log,

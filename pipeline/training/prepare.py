@@ -100,6 +100,15 @@ def reads_on_driver(config: Config) -> bool:
     return checks_on_driver(config.data.source, config.data)
 
 
+def checks_before_cluster(config: Config, client=None) -> bool:
+    """Whether the run reads and checks its data before it connects: always for CIFAR and
+    synthetic data; for image folders and file lists when it will start a local cluster (the
+    files are this machine's), not on a given client or --scheduler."""
+    from pipeline.cluster.connection import scheduler_address
+    return reads_on_driver(config) or (client is None
+                                       and scheduler_address(config.cluster) is None)
+
+
 def load_dataset(config: Config, client=None):
     from pipeline.data.datasets import load_dataset as load
     cfg = config.data
@@ -269,7 +278,9 @@ def _log_plan(setup: Setup, prep: Prepared, log) -> None:
     t = cfg.train
     log(f"{t.strategy}: {ctx.replicas} replica(s) x batch {t.batch_size}, {len(prep.rounds)} "
         f"rounds of up to {prep.period} step(s), {ctx.per_epoch} steps/epoch, "
-        f"{ctx.n_train} training images, model {cfg.model.name}, device {ctx.device}")
+        f"{ctx.n_train} training images of {ctx.n_classes} classes "
+        f"({getattr(prep.dataset, 'kind', cfg.data.dataset)}), model {cfg.model.name}, "
+        f"device {ctx.device}")
 
 
 def _plan_average(setup: Setup, log) -> None:

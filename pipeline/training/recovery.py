@@ -82,6 +82,61 @@ def decide(exc: BaseException, cluster: ClusterState, retries: int, *, where: st
     return Replay(retries)
 
 
+def worker_changes(before: dict, after: dict) -> tuple[list, list]:
+    """``(lost, restarted)`` worker names between two rosters ``{address: name}``: a name gone,
+    or back at another address (its nanny started it again).
+
+    >>> worker_changes({"tcp://a:1": "w0", "tcp://b:1": "w1"}, {"tcp://a:2": "w0"})
+    (['w1'], ['w0'])
+    """
+    names_after = set(after.values())
+    gone = sorted({name for address, name in before.items() if address not in after})
+    return ([n for n in gone if n not in names_after], [n for n in gone if n in names_after])
+
+
+_CAUSES = {"KilledWorker": "a task died with its workers",
+           "FutureCancelledError": "inputs lost with a worker",
+           "FuturesCancelledError": "inputs lost with a worker",
+           "NoWorker": "no worker left may run its tasks"}
+
+
+def replay_line(exc: BaseException, before: dict, after: dict, lost_in: int,
+                anchor_round: int) -> str:
+    """The one line a replay logs, in the run's words: which worker, which round, which rounds
+    are computed again, on how many workers (rounds are the 0-based numbers of metrics.jsonl).
+
+    >>> replay_line(OSError(), {"tcp://a:1": "w0", "tcp://b:1": "w1"}, {"tcp://b:1": "w1"}, 12, 9)
+    'worker w0 lost in round 12: replaying rounds 10-12 on 1 worker'
+    >>> replay_line(KeyError(), {"tcp://a:1": "w0"}, {"tcp://a:2": "w0"}, 3, 2)
+    'worker w0 restarted by its nanny in round 3: replaying round 3 on 1 worker'
+    >>> replay_line(OSError(), {}, {"x": "a", "y": "b"}, 0, -1)
+    'work lost in round 0 (a worker connection closed): replaying round 0 on 2 workers'
+    """
+    lost, restarted = worker_changes(before, after)
+    first = anchor_round + 1
+    rounds = f"round {lost_in}" if first >= lost_in else f"rounds {first}-{lost_in}"
+    n = len(after)
+    on = f"on {n} worker{'s' if n != 1 else ''}"
+    if lost or restarted:
+        parts = ([f"worker{'s' if len(lost) > 1 else ''} {', '.join(lost)} lost"] if lost
+                 else []) + ([f"worker{'s' if len(restarted) > 1 else ''} "
+                              f"{', '.join(restarted)} restarted by its nanny"]
+                             if restarted else [])
+        return f"{' and '.join(parts)} in round {lost_in}: replaying {rounds} {on}"
+    cause = _CAUSES.get(type(exc).__name__, "a worker connection closed"
+                        if isinstance(exc, OSError) else type(exc).__name__)
+    return f"work lost in round {lost_in} ({cause}): replaying {rounds} {on}"
+
+
+def roster(client) -> dict:
+    """``{address: name}`` of the workers the scheduler knows now ({} if it does not answer)."""
+    try:
+        workers = client.scheduler_info()["workers"]  # every worker (n_workers=-1)
+    except Exception:  # a closed client or a scheduler that does not answer
+        return {}
+    return {address: str(w.get("name", address)) for address, w in workers.items()}
+
+
 def resume_hint(out, anchor_round: int, has_checkpoint: bool) -> str:
     """``; <where the run can go on from>`` for the error that ends it.
 
@@ -100,7 +155,8 @@ def resume_hint(out, anchor_round: int, has_checkpoint: bool) -> str:
 
 class ConnectionLossFilter(logging.Filter):
     """Drops distributed's own reports of a closed scheduler connection (tracebacks of
-    CommClosedError, a cancelled reconnect): the driver reports a lost scheduler in one line."""
+    CommClosedError, a cancelled reconnect) and of a lost worker (``WORKER_LOSS``): the driver
+    reports each in one line."""
 
     keep = False  # stay installed after the run: the client's close still logs the loss
 
@@ -108,11 +164,18 @@ class ConnectionLossFilter(logging.Filter):
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, (OSError, asyncio.CancelledError)):  # CommClosedError is an OSError
             return False
-        return not str(record.msg).startswith(("Batched Comm Closed", "Failed to reconnect"))
+        return not str(record.msg).startswith(("Batched Comm Closed", "Failed to reconnect",
+                                                *WORKER_LOSS))
 
+
+# What the embedded cluster's scheduler and nannies say when a worker dies: the loop says it
+# in one line of its own (``replay_line``, the roster lines), so theirs would repeat it in
+# Dask's terms (task keys, stimulus ids), glued to the progress bar.
+WORKER_LOSS = ("Restarting worker", "Removing worker", "Worker process ",
+               "Received heartbeat from unregistered worker")
 
 _QUIETED = ("distributed.batched", "distributed.client", "distributed.core", "distributed.utils",
-            "distributed.comm.tcp")
+            "distributed.comm.tcp", "distributed.nanny", "distributed.scheduler")
 
 
 @contextlib.contextmanager

@@ -72,9 +72,10 @@ def _stop_with(sig: int, driver: subprocess.Popen, out: Path, after: int) -> int
     assert all(x.startswith(INFO_PREFIXES) for x in lines[:-1]), stderr
     last = lines[-1]
     assert last.startswith("interrupted after round ") and last.endswith(
-        f"({signal.Signals(sig).name}); checkpoint saved; resume: python -m pipeline train "
-        f"--resume {out}"), last
+        f"rounds done; {signal.Signals(sig).name}); checkpoint saved; resume: python -m "
+        f"pipeline train --resume {out}"), last
     stopped = int(last.split()[3])
+    assert f"round {stopped} ({stopped + 1} of {ROUNDS} rounds done;" in last, last  # one count
     assert after <= stopped < ROUNDS - 1
     assert (out / "checkpoints" / f"round-{stopped:06d}").is_dir()
     assert _rounds(out) == list(range(stopped + 1)) and not (out / "model.npz").exists()

@@ -242,7 +242,7 @@ def test_a_stop_right_after_an_anchor_saves_the_checkpoint_it_announces(tmp_path
         if line["round"] == 1:
             stop.request()
 
-    with pytest.raises(Interrupted, match="interrupted after round 1 of 4 .* checkpoint saved"):
+    with pytest.raises(Interrupted, match=r"interrupted after round 1 \(2 of 4 rounds done; .*\); checkpoint saved"):
         train(config, dask_client, on_round=request_at_round_1, stop=stop,
               log=lambda message: None)
     assert (tmp_path / "run" / "checkpoints" / "round-000001").is_dir()

@@ -7,6 +7,8 @@ seed and the task's coordinates (docs/architecture.md, Determinism).
 """
 from __future__ import annotations
 
+import re
+
 import json
 import os
 import shutil
@@ -149,10 +151,10 @@ def _assert_from_checkpoints(log: list[str]) -> None:
 def _replays(log: list[str]) -> list[tuple[int, int]]:
     """(replayed from round, lost round) of each recovery the driver logged."""
     found = []
-    for line in log:
-        if "replaying from round" in line:
-            lost = int(line.split("lost work in round ")[1].split()[0])
-            found.append((int(line.rsplit(" ", 1)[1]), lost))
+    for line in log:  # "worker w0 lost in round 12: replaying rounds 10-12 on 1 worker"
+        match = re.search(r"in round (\d+)(?: \(.*\))?: replaying rounds? (\d+)", line)
+        if match:
+            found.append((int(match.group(2)), int(match.group(1))))
     return found
 
 
@@ -223,7 +225,8 @@ def test_lost_work_again_and_again_gives_up_with_one_line(tmp_path, dask_client,
     log = []
     with pytest.raises(ClusterError) as err:
         train(_config(tmp_path), client=dask_client, log=log.append)
-    assert len([x for x in log if "replaying from round 0" in x]) == 3, log
+    assert len([x for x in log if "replaying round 0 on " in x]) == 3, log
+    assert all("KilledWorker" not in x and "Traceback" not in x for x in log), log
     message = str(err.value)
     assert "\n" not in message, message
     assert message.startswith("gave up after losing work 4 times in a row, last in round 0 "
@@ -490,7 +493,12 @@ def test_long_run_releases_every_key_and_byte(tmp_path, strategy):
 
         def watch(line):
             if line["round"] % 10 == 0:
-                samples[line["round"]] = _scheduler_tasks(client)
+                # the fewer of two looks 0.2 s apart: a leak stays, a burst of releases the
+                # scheduler has not handled yet on a loaded machine does not (CI once read 129
+                # at round 10 and 36-47 after it)
+                first = _scheduler_tasks(client)
+                time.sleep(0.2)
+                samples[line["round"]] = min(first, _scheduler_tasks(client))
                 memory[line["round"]] = _worker_memory(client)
 
         result = train(cfg.replace(**{"cluster.scheduler": cluster.address}), on_round=watch)
