@@ -27,6 +27,11 @@ def pick(result, field: int):
     return result[field]
 
 
+def move(value):
+    """``value`` itself, on this task's worker: a prefetch to where its consumer will run."""
+    return value
+
+
 class Persisted(NamedTuple):
     """The dataset, loaded once and kept on the cluster as one future per block."""
     train_images: list  # [] when the training images are decoded again each round (stream)
@@ -96,6 +101,7 @@ class RoundGraph:
         self._workers: list | None = None  # training workers by rank or name, for pin_replicas
         self._rank_of: dict[str, str] = {}  # their RANK-i resources, where they advertise one
         self._unsafe: bool | None = None  # some worker lacks the train resources: no pins
+        self._offered: dict = {}  # resources -> whether every worker offers them
         self.averaged_bytes = payload_bytes  # bytes per replica an average adds (auto weighs)
         self._plan: averaging_algorithms.Plan | None = None
 
@@ -203,12 +209,40 @@ class RoundGraph:
         resources that some worker lacks (loader workers; a GPU box's CPU workers) nothing is
         pinned: the resources alone place the tasks."""
         if self._unsafe is None:
-            def offering(resources):
-                hosts = averaging_algorithms.workers_by_host(self.client, resources)
-                return sum(len(workers) for workers in hosts.values())
-            need = self.train_resources
-            self._unsafe = bool(need) and offering(need) < offering(None)
+            self._unsafe = not self._everywhere(self.train_resources)
         return self._unsafe
+
+    def _everywhere(self, resources: dict | None) -> bool:
+        """Whether every worker offers ``resources`` (a soft pin of a task asking for them
+        cannot then land on a worker without them; see ``_pinning_unsafe``)."""
+        def offering(need):
+            hosts = averaging_algorithms.workers_by_host(self.client, need)
+            return sum(len(workers) for workers in hosts.values())
+        if not resources:
+            return True
+        name = tuple(sorted(resources.items()))
+        if name not in self._offered:  # once an attempt, like the plan: the workers seen then
+            self._offered[name] = offering(resources) >= offering(None)
+        return self._offered[name]
+
+    def _augment_where(self, replica: int) -> dict:
+        """``submit`` arguments placing replica k's augment- task on its train worker where
+        every worker may augment (a soft pin: a lost worker costs placement only); else none."""
+        home = self._home(replica) if self._everywhere(self.augment_resources) else None
+        return {"workers": [home], "allow_other_workers": True} if home is not None else {}
+
+    def _to_trainer(self, shard, replica: int, key: tuple):
+        """Prefetch: the shard of ``replica`` moved to the worker its train- task will run on,
+        while the current round trains (issue 27, item 4). Where every worker may augment, the
+        augment- task itself was placed there and this returns ``shard``; beside loader workers
+        a ``move`` task (asking for no resources, so a soft pin is safe) copies it over. The
+        train- task then finds its input on its worker instead of fetching it once the average
+        is in. Placement only: the bits are the same."""
+        home = self._home(replica)
+        if home is None or self._everywhere(self.augment_resources):
+            return shard
+        return self.client.submit(move, shard, key=(*key, "move"),
+                                  pure=False, workers=[home], allow_other_workers=True)
 
     def key(self, stage: str, *coords):
         return keys.make(stage, self.token, *coords)
@@ -254,11 +288,14 @@ class RoundGraph:
                     self._submit, self.key, self.data.stream, indices, rnd.index, replica,
                     self.augment_resources)
             indices = np.arange(len(indices))
+        key = self.key("augment", rnd.index, replica)
+        where = self._augment_where(replica)
         with distributed.span("augment"):
-            return self._submit(augment, images, labels, starts, indices, positions,
-                                cfg.augment.policy, cfg.seed, rnd.epoch, cfg.augment.chunk,
-                                key=self.key("augment", rnd.index, replica),
-                                resources=self.augment_resources)
+            shard = self.client.submit(augment, images, labels, starts, indices, positions,
+                                       cfg.augment.policy, cfg.seed, rnd.epoch,
+                                       cfg.augment.chunk, key=key, pure=False,
+                                       resources=self.augment_resources, **where)
+            return self._to_trainer(shard, replica, key)
 
     def submit_train(self, rnd: Round, replica: int, params, opt, shard, spec: tasks.StepSpec,
                      pin: int | None = None):

@@ -1,0 +1,62 @@
+"""The round level (issue 27 item 4, issue 28): a round's shard is made on, or moved to, the worker
+its train- task runs on while the round before trains; the averaged state stays on the workers
+between rounds. Placement only: the same bytes as without it."""
+from __future__ import annotations
+
+from pipeline.core import keys
+from pipeline.training import graph
+from pipeline.training.loop import train
+from tests.helpers import assert_same_bits, make_config
+
+BASE = {"data.source": "synthetic:192:32", "model.name": "small-cnn", "train.strategy": "ipm",
+        "train.replicas": 2, "train.batch_size": 16, "train.epochs": 1.0,
+        "average.mix_every": "2", "augment.policy": "cifar", "progress": False,
+        "checkpoint_every": 0, "seed": 3, "train.optimizer": "adam", "train.lr": 1e-3,
+        "cluster.pin_replicas": True}
+
+
+class _Where:
+    """A run-output hook that reads, before the run ends, which worker ran each augment- and
+    train- task of this run (by (stage, round, replica))."""
+
+    def start(self, info):
+        self.client = info.client
+
+    def __call__(self, line):
+        pass
+
+    def close(self):
+        self.workers = {}
+        for rec in self.client.get_task_stream():
+            key = rec["key"]
+            if isinstance(key, tuple) and len(key) == 3 and \
+                    keys.stage_of(key) in ("augment", "train"):
+                self.workers.setdefault(key[0], {})[key[1:]] = rec["worker"]
+
+
+def _run(client, **fields):
+    where = _Where()
+    result = train(make_config(BASE, **fields), client, log=lambda m: None, hooks=[where])
+    return result, where.workers
+
+
+def _pairs(workers: dict) -> list:
+    """(augment worker, train worker) per (round, replica) of the one run in ``workers``."""
+    token = next(k.split("-", 1)[1] for k in workers if k.startswith("train-"))
+    shards, trains = workers["augment-" + token], workers["train-" + token]
+    return [(shards[c], trains[c]) for c in sorted(trains)]
+
+
+def test_shards_are_made_where_their_replica_trains_and_the_bytes_stay(dask_client,
+                                                                         monkeypatch):
+    prefetched, workers = _run(dask_client)
+    pairs = _pairs(workers)
+    assert len(pairs) == 2 * len(prefetched.history)
+    assert len({t for _, t in pairs}) == 2  # the replicas on their two workers
+    assert all(a == t for a, t in pairs), pairs
+
+    monkeypatch.setattr(graph.RoundGraph, "_augment_where", lambda self, replica: {})
+    monkeypatch.setattr(graph.RoundGraph, "_to_trainer", lambda self, shard, replica, key: shard)
+    plain, _ = _run(dask_client)
+    assert_same_bits(prefetched.params, plain.params)
+    assert prefetched.history[-1]["test_acc"] == plain.history[-1]["test_acc"]
