@@ -102,6 +102,7 @@ class RoundGraph:
         self._rank_of: dict[str, str] = {}  # their RANK-i resources, where they advertise one
         self._unsafe: bool | None = None  # some worker lacks the train resources: no pins
         self._offered: dict = {}  # resources -> whether every worker offers them
+        self._nthreads: dict = {}  # worker address -> its threads
         self.averaged_bytes = payload_bytes  # bytes per replica an average adds (auto weighs)
         self._plan: averaging_algorithms.Plan | None = None
 
@@ -166,6 +167,22 @@ class RoundGraph:
             return None
         workers = self._train_workers()
         return workers[replica % len(workers)] if workers else None
+
+    def _blas_share(self, replica: int) -> int:
+        """BLAS threads of replica k's tasks: its worker's threads over the replicas placed on
+        that worker (at least 1); 0 (the worker's threads, decided in the task) where replicas
+        are not placed. Every replica on a worker gets the same share, so the process-wide
+        limit (``core.threads``) is the one each asked for: K replicas as threads of one
+        K-thread worker round exactly as K one-thread workers do (1 thread each), and
+        ``single`` on a 2-thread worker runs BLAS on both."""
+        home = self._home(replica)
+        if home is None:
+            return 0
+        if home not in self._nthreads:
+            info = self.client.scheduler_info(n_workers=-1)["workers"]
+            self._nthreads.update({a: int(w.get("nthreads") or 1) for a, w in info.items()})
+        together = sum(self._home(k) == home for k in range(self.config.train.replicas))
+        return max(1, self._nthreads.get(home, 1) // max(1, together))
 
     def _train_workers(self) -> list:
         """Addresses of the workers offering the train resources, in rank order where each
@@ -302,6 +319,8 @@ class RoundGraph:
         """Futures ``(params, opt, metrics, result)`` of a replica's train- task (``result``:
         the whole ``TrainResult``). ``pin``: the replica whose worker it prefers (default
         ``replica``) when ``cluster.pin_replicas`` is on."""
+        if not spec.blas_threads:
+            spec = spec._replace(blas_threads=self._blas_share(replica if pin is None else pin))
         with distributed.span("train"):
             key = self.key("train", rnd.index, replica)
             fut = self.client.submit(tasks.train, params, opt, shard, spec, key=key, pure=False,
@@ -315,6 +334,9 @@ class RoundGraph:
             return (*picks, fut)
 
     def submit_evaluate(self, rnd_index: int, params, spec: tasks.EvalSpec) -> list:
+        if not spec.blas_threads:  # any training worker may evaluate: the smallest share
+            shares = [self._blas_share(k) for k in range(self.config.train.replicas)]
+            spec = spec._replace(blas_threads=min(shares) if all(shares) else 0)
         with distributed.span("evaluate"):
             return [self.client.submit(tasks.evaluate, params, images, labels, spec,
                                        key=self.key("evaluate", rnd_index, i), pure=False,

@@ -60,3 +60,35 @@ def test_shards_are_made_where_their_replica_trains_and_the_bytes_stay(dask_clie
     plain, _ = _run(dask_client)
     assert_same_bits(prefetched.params, plain.params)
     assert prefetched.history[-1]["test_acc"] == plain.history[-1]["test_acc"]
+
+
+def test_replicas_as_threads_of_one_worker_round_as_one_replica_per_worker(dask_client):
+    """Two replicas as the two threads of one worker (their average reads both states in place,
+    moving no bytes) give the bytes of one replica per one-thread worker: each caps BLAS at its
+    share of the worker's threads (``RoundGraph._blas_share``), 1, as a one-thread worker does."""
+    import distributed
+    per_worker, _ = _run(dask_client)
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=False,
+                                  dashboard_address="127.0.0.1:0") as cluster, \
+            distributed.Client(cluster, set_as_default=False) as client:
+        threads, workers = _run(client)
+    assert len({t for _, t in _pairs(workers)}) == 1
+    assert_same_bits(per_worker.params, threads.params)
+    assert per_worker.history[-1]["test_acc"] == threads.history[-1]["test_acc"]
+
+
+def test_blas_share_is_the_workers_threads_over_its_replicas():
+    from types import SimpleNamespace
+
+    class Graph(graph.RoundGraph):
+        def __init__(self, homes, threads):
+            self._homes, self._nthreads = homes, threads
+            self.config = SimpleNamespace(train=SimpleNamespace(replicas=len(homes)))
+
+        def _home(self, replica):
+            return self._homes[replica]
+
+    assert [Graph(["a", "a"], {"a": 2})._blas_share(k) for k in (0, 1)] == [1, 1]
+    assert Graph(["a"], {"a": 2})._blas_share(0) == 2  # single: both cores
+    assert [Graph(["a", "b", "a"], {"a": 4, "b": 1})._blas_share(k) for k in (0, 1, 2)] == [2, 1, 2]
+    assert Graph([None], {})._blas_share(0) == 0  # not placed: the worker's threads
