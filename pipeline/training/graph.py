@@ -131,6 +131,9 @@ class RoundGraph:
         plan = self.average_plan()
         ctx = averaging_algorithms.context(plan, self.client, self.token, coords,
                                            self.config.average.fan_in, self.config.train.replicas)
+        if plan.placement is None:  # one host: the tree's nodes where their inputs' replicas
+            homes = tuple(self._home(k) for k in range(self.config.train.replicas))
+            ctx = ctx._replace(homes=homes if None not in homes else None)
         return averaging_algorithms.get(plan.algorithm), ctx
 
     def mean(self, round_index: int, payloads: list, prepare=None):

@@ -32,6 +32,9 @@ class _Where:
             if isinstance(key, tuple) and len(key) == 3 and \
                     keys.stage_of(key) in ("augment", "train"):
                 self.workers.setdefault(key[0], {})[key[1:]] = rec["worker"]
+            if isinstance(key, tuple) and keys.stage_of(key) == "average" and \
+                    all(isinstance(c, int) for c in key[1:]):  # a tree node: round, level, i
+                self.workers.setdefault(key[0], {})[key[1:]] = rec["worker"]
 
 
 def _run(client, **fields):
@@ -54,6 +57,9 @@ def test_shards_are_made_where_their_replica_trains_and_the_bytes_stay(dask_clie
     assert len(pairs) == 2 * len(prefetched.history)
     assert len({t for _, t in pairs}) == 2  # the replicas on their two workers
     assert all(a == t for a, t in pairs), pairs
+    token = next(k.split("-", 1)[1] for k in workers if k.startswith("train-"))
+    roots = workers["average-" + token]  # K = 2: one node per round, the root
+    assert roots and all(w == workers["train-" + token][(r, 0)] for (r, *_), w in roots.items())
 
     monkeypatch.setattr(graph.RoundGraph, "_augment_where", lambda self, replica: {})
     monkeypatch.setattr(graph.RoundGraph, "_to_trainer", lambda self, shard, replica, key: shard)
