@@ -20,14 +20,16 @@ class _Where:
     train- task of this run (by (stage, round, replica))."""
 
     def start(self, info):
-        self.client = info.client
+        import time
+        self.client, self.since = info.client, time.time() - 1  # this run's records only
 
     def __call__(self, line):
         pass
 
     def close(self):
         self.workers = {}
-        for rec in self.client.get_task_stream():
+        import time
+        for rec in self.client.get_task_stream(start=self.since, stop=time.time() + 1):
             key = rec["key"]
             if isinstance(key, tuple) and len(key) == 3 and \
                     keys.stage_of(key) in ("augment", "train"):
