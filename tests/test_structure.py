@@ -189,7 +189,7 @@ def test_task_functions_pickle():
     from pipeline.averaging.algorithms import base, tree
     from pipeline.training.strategies import asynchronous, ipm
     for fn in (tasks.train, tasks.update, tasks.evaluate, augment_graph.augment, ipm.average_outer,
-               ipm.pack, ipm.unpack, tree._leaf, base.take_payload, base.local_sum, asynchronous.apply,
+               ipm.pack, tree._leaf, base.take_payload, base.local_sum, asynchronous.apply,
                asynchronous.apply_gradient):
         assert pickle.loads(pickle.dumps(fn)) is fn
 

@@ -100,17 +100,3 @@ def test_blas_share_is_the_workers_threads_over_its_replicas():
     assert Graph(["a"], {"a": 2})._blas_share(0) == 2  # single: both cores
     assert [Graph(["a", "b", "a"], {"a": 4, "b": 1})._blas_share(k) for k in (0, 1, 2)] == [2, 1, 2]
     assert Graph([None], {})._blas_share(0) == 0  # not placed: the worker's threads
-
-
-def test_the_recipes_allreduce_equals_mean_outer_broadcast(dask_client, monkeypatch):
-    """ipm's recipe (Adam state averaged, no outer step) splits the allreduced mean where each
-    replica reads it: the bytes of the mean -> identity outer step -> broadcast path it
-    replaces, with the tree and with the sharded reduce-scatter + all-gather on one host."""
-    from pipeline.training.strategies.ipm import IPM
-    fields = {"average.optimizer_state": "average"}
-    allreduced, _ = _run(dask_client, **fields)
-    sharded, _ = _run(dask_client, **fields, **{"average.algorithm": "sharded"})
-    monkeypatch.setattr(IPM, "_plain", lambda self: False)
-    outer, _ = _run(dask_client, **fields)
-    assert_same_bits(allreduced.params, outer.params)
-    assert_same_bits(allreduced.params, sharded.params)

@@ -120,8 +120,6 @@ class IPM(Strategy):
         if self.opt_mode != "average" and self._plain():
             params = g.allreduce(rnd.index, [o[0] for o in outs])
             return Submitted(Live(params, new_opts, None), metrics)
-        if self._plain():  # the recipe: params and optimizer state averaged, no outer step
-            return Submitted(self._allreduce_packed(rnd, outs), metrics)
         if self.opt_mode == "average":  # the whole train results: params and optimizer state
             mean = g.mean(rnd.index, [o[3] for o in outs], prepare=pack)
         else:
@@ -136,24 +134,6 @@ class IPM(Strategy):
             new_opts = g.broadcast(rnd.index, opt, "opt")
         return Submitted(Live(g.broadcast(rnd.index, params), new_opts,
                               outer if not self._plain() else None), metrics)
-
-    def _allreduce_packed(self, rnd, outs) -> Live:
-        """The mean of the packed train results, split where each replica reads it: one
-        ``unpack`` per distinct copy (one host, tree: the root's, next to replica 0; sharded:
-        one per worker, so a host's split moves no bytes). The outer step it replaces is the
-        identity here (lr 1, momentum 0: ``outer_step`` hands back the mean's arrays), so the
-        bits are those of the mean, then outer, then broadcast path, with one task fewer on
-        one host and no second broadcast across hosts."""
-        g = self.graph
-        means = g.allreduce(rnd.index, [o[3] for o in outs], prepare=pack)
-        split: dict = {}
-        for k, mean in enumerate(means):
-            if mean.key not in split:
-                split[mean.key] = g.submit(unpack, mean, stage="average",
-                                           coords=(rnd.index, "unpack", k),
-                                           fields=("params", "opt"), pin=k)
-        params, opts = zip(*(split[m.key] for m in means))
-        return Live(list(params), list(opts), None)
 
     def scatter(self, state):
         live = super().scatter(state)
