@@ -27,6 +27,11 @@ def pick(result, field: int):
     return result[field]
 
 
+def move(value):
+    """``value`` itself, on this task's worker: a prefetch to where its consumer will run."""
+    return value
+
+
 class Persisted(NamedTuple):
     """The dataset, loaded once and kept on the cluster as one future per block."""
     train_images: list  # [] when the training images are decoded again each round (stream)
@@ -106,6 +111,8 @@ class RoundGraph:
         self._workers: list | None = None  # training workers by rank or name, for pin_replicas
         self._rank_of: dict[str, str] = {}  # their RANK-i resources, where they advertise one
         self._unsafe: bool | None = None  # some worker lacks the train resources: no pins
+        self._offered: dict = {}  # resources -> whether every worker offers them
+        self._nthreads: dict = {}  # worker address -> its threads
         self.averaged_bytes = payload_bytes  # bytes per replica an average adds (auto weighs)
         self._plan: averaging_algorithms.Plan | None = None
 
@@ -135,6 +142,9 @@ class RoundGraph:
         plan = self.average_plan()
         ctx = averaging_algorithms.context(plan, self.client, self.token, coords,
                                            self.config.average.fan_in, self.config.train.replicas)
+        if plan.placement is None:  # one host: the tree's nodes where their inputs' replicas
+            homes = tuple(self._home(k) for k in range(self.config.train.replicas))
+            ctx = ctx._replace(homes=homes if None not in homes else None)
         return averaging_algorithms.get(plan.algorithm), ctx
 
     def mean(self, round_index: int, payloads: list, prepare=None):
@@ -179,6 +189,22 @@ class RoundGraph:
         workers = self._train_workers()
         return workers[replica % len(workers)] if workers else None
 
+    def _blas_share(self, replica: int) -> int:
+        """BLAS threads of replica k's tasks: its worker's threads over the replicas placed on
+        that worker (at least 1); 0 (the worker's threads, decided in the task) where replicas
+        are not placed. Every replica on a worker gets the same share, so the process-wide
+        limit (``core.threads``) is the one each asked for: K replicas as threads of one
+        K-thread worker round exactly as K one-thread workers do (1 thread each), and
+        ``single`` on a 2-thread worker runs BLAS on both."""
+        home = self._home(replica)
+        if home is None:
+            return 0
+        if home not in self._nthreads:
+            info = self.client.scheduler_info(n_workers=-1)["workers"]
+            self._nthreads.update({a: int(w.get("nthreads") or 1) for a, w in info.items()})
+        together = sum(self._home(k) == home for k in range(self.config.train.replicas))
+        return max(1, self._nthreads.get(home, 1) // max(1, together))
+
     def _train_workers(self) -> list:
         """Addresses of the workers offering the train resources, in rank order where each
         advertises a ``RANK-i`` (and ``_rank_of`` filled), else by worker name; once an attempt."""
@@ -221,12 +247,40 @@ class RoundGraph:
         resources that some worker lacks (loader workers; a GPU box's CPU workers) nothing is
         pinned: the resources alone place the tasks."""
         if self._unsafe is None:
-            def offering(resources):
-                hosts = averaging_algorithms.workers_by_host(self.client, resources)
-                return sum(len(workers) for workers in hosts.values())
-            need = self.train_resources
-            self._unsafe = bool(need) and offering(need) < offering(None)
+            self._unsafe = not self._everywhere(self.train_resources)
         return self._unsafe
+
+    def _everywhere(self, resources: dict | None) -> bool:
+        """Whether every worker offers ``resources`` (a soft pin of a task asking for them
+        cannot then land on a worker without them; see ``_pinning_unsafe``)."""
+        def offering(need):
+            hosts = averaging_algorithms.workers_by_host(self.client, need)
+            return sum(len(workers) for workers in hosts.values())
+        if not resources:
+            return True
+        name = tuple(sorted(resources.items()))
+        if name not in self._offered:  # once an attempt, like the plan: the workers seen then
+            self._offered[name] = offering(resources) >= offering(None)
+        return self._offered[name]
+
+    def _augment_where(self, replica: int) -> dict:
+        """``submit`` arguments placing replica k's augment- task on its train worker where
+        every worker may augment (a soft pin: a lost worker costs placement only); else none."""
+        home = self._home(replica) if self._everywhere(self.augment_resources) else None
+        return {"workers": [home], "allow_other_workers": True} if home is not None else {}
+
+    def _to_trainer(self, shard, replica: int, key: tuple):
+        """Prefetch: the shard of ``replica`` moved to the worker its train- task will run on,
+        while the current round trains (issue 27, item 4). Where every worker may augment, the
+        augment- task itself was placed there and this returns ``shard``; beside loader workers
+        a ``move`` task (asking for no resources, so a soft pin is safe) copies it over. The
+        train- task then finds its input on its worker instead of fetching it once the average
+        is in. Placement only: the bits are the same."""
+        home = self._home(replica)
+        if home is None or self._everywhere(self.augment_resources):
+            return shard
+        return self.client.submit(move, shard, key=(*key, "move"),
+                                  pure=False, workers=[home], allow_other_workers=True)
 
     def key(self, stage: str, *coords):
         return keys.make(stage, self.token, *coords)
@@ -272,17 +326,22 @@ class RoundGraph:
                     self._submit, self.key, self.data.stream, indices, rnd.index, replica,
                     self.augment_resources)
             indices = np.arange(len(indices))
+        key = self.key("augment", rnd.index, replica)
+        where = self._augment_where(replica)
         with distributed.span("augment"):
-            return self._submit(augment, images, labels, starts, indices, positions,
-                                cfg.augment.policy, cfg.seed, rnd.epoch, cfg.augment.chunk,
-                                key=self.key("augment", rnd.index, replica),
-                                resources=self.augment_resources)
+            shard = self.client.submit(augment, images, labels, starts, indices, positions,
+                                       cfg.augment.policy, cfg.seed, rnd.epoch,
+                                       cfg.augment.chunk, key=key, pure=False,
+                                       resources=self.augment_resources, **where)
+            return self._to_trainer(shard, replica, key)
 
     def submit_train(self, rnd: Round, replica: int, params, opt, shard, spec: tasks.StepSpec,
                      pin: int | None = None):
         """Futures ``(params, opt, metrics, result)`` of a replica's train- task (``result``:
         the whole ``TrainResult``). ``pin``: the replica whose worker it prefers (default
         ``replica``) when ``cluster.pin_replicas`` is on."""
+        if not spec.blas_threads:
+            spec = spec._replace(blas_threads=self._blas_share(replica if pin is None else pin))
         with distributed.span("train"):
             key = self.key("train", rnd.index, replica)
             fut = self.client.submit(tasks.train, params, opt, shard, spec, key=key, pure=False,
@@ -296,6 +355,9 @@ class RoundGraph:
             return (*picks, fut)
 
     def submit_evaluate(self, rnd_index: int, params, spec: tasks.EvalSpec) -> list:
+        if not spec.blas_threads:  # any training worker may evaluate: the smallest share
+            shares = [self._blas_share(k) for k in range(self.config.train.replicas)]
+            spec = spec._replace(blas_threads=min(shares) if all(shares) else 0)
         with distributed.span("evaluate"):
             return [self.client.submit(tasks.evaluate, params, images, labels, spec,
                                        key=self.key("evaluate", rnd_index, i), pure=False,

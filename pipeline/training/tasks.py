@@ -45,6 +45,10 @@ class StepSpec(NamedTuple):
     cpu_kernels: str = "ours"  # convolution/pooling/BatchNorm on NumPy: ours | chainer
     optimizer_args: str = "{}"  # JSON keyword arguments of the optimizer
     grad_clip: float = 0.0  # L2 norm the gradient is clipped to (0: off)
+    blas_threads: int = 0  # BLAS threads of the task; 0: its worker's threads. The driver sets
+    #                        a worker's threads over the replicas placed on it, so replicas
+    #                        sharing a worker as threads neither oversubscribe its cores nor
+    #                        round differently from one replica per one-thread worker
 
 
 class TrainResult(NamedTuple):
@@ -64,7 +68,8 @@ def train(params: State, opt_state: State | None, shard: Shard, spec: StepSpec) 
     start = time.perf_counter()
     backend = get_backend(spec.backend)
     rng = rng_for(spec.seed, "dropout", spec.round, spec.replica)
-    with limit_blas_threads(), _memory_named(spec.model, shard.images, spec.batch_size):
+    with limit_blas_threads(spec.blas_threads or None), \
+            _memory_named(spec.model, shard.images, spec.batch_size):
         if spec.mode == "gradient":
             new_params, stats = backend.gradient(params, shard.images, shard.labels, spec, rng)
             new_opt = None
@@ -100,7 +105,7 @@ def update(params: State, opt_state: State | None, mean: State, spec: StepSpec) 
     ``mean`` holds the replicas' sample-weighted mean gradient for every parameter and their mean
     BatchNorm statistics. Returns ``(params, optimizer_state)``.
     """
-    with limit_blas_threads():
+    with limit_blas_threads(spec.blas_threads or None):
         return get_backend(spec.backend).apply_gradient(params, opt_state, mean, spec)
 
 
@@ -115,11 +120,13 @@ class EvalSpec(NamedTuple):
     std: tuple = tuple(augment.CIFAR10_STD)
     backend: str = "chainer"
     cpu_kernels: str = "ours"  # as StepSpec.cpu_kernels
+    blas_threads: int = 0  # as StepSpec.blas_threads (the same on a worker as its train tasks')
 
 
 def predict_proba(params: State, images: np.ndarray, spec: EvalSpec) -> np.ndarray:
     """(N, 3, 32, 32) uint8 -> (N, classes) float32 softmax probabilities (TTA-averaged if asked)."""
-    with limit_blas_threads(), _memory_named(spec.model, images, spec.batch_size):
+    with limit_blas_threads(spec.blas_threads or None), \
+            _memory_named(spec.model, images, spec.batch_size):
         return get_backend(spec.backend).predict(params, images, spec)
 
 

@@ -40,6 +40,8 @@ class _Spy:
         self.stages: dict[str, set] = {}
         for rec in self.client.get_task_stream():
             stage = keys.stage_of(rec["key"]) if isinstance(rec["key"], tuple) else None
+            if stage and rec["key"][-1] == "move":  # a shard prefetched to its train worker
+                stage = "move"
             if stage:
                 self.stages.setdefault(stage, set()).add(rec["worker"])
 
@@ -59,6 +61,7 @@ def test_loader_workers_load_trainers_train_and_the_bytes_stay(tmp_path, dask_cl
     trainer = next(a for a, r in roles.items() if "TRAIN" in r)
     assert spy.stages["decode"] == {loader} and spy.stages["augment"] == {loader}
     assert spy.stages["train"] == {trainer} and spy.stages["evaluate"] == {trainer}
+    assert spy.stages["move"] == {trainer}  # each shard went to the trainer ahead of its round
     assert any("train-/evaluate- tasks on the workers advertising TRAIN, decode-/augment- on "
                "those advertising CPU" in m for m in lines)
     a, b = split.params, plain.params

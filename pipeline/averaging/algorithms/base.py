@@ -30,6 +30,8 @@ class Context(NamedTuple):
     replicas: int  # K
     prepare: Callable | None = None  # payload -> the state dict to average, run where the
     #                                  payload is consumed (ipm: params + optimizer state)
+    homes: tuple | None = None  # one host, replicas pinned: each replica's worker (the tree's
+    #                             nodes then run on their first input's, the root on replica 0's)
 
     def key(self, *parts) -> tuple:
         return keys.make(self.name, self.token, *self.coords, *parts)

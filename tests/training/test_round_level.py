@@ -1,0 +1,102 @@
+"""The round level (issue 27 item 4, issue 28): a round's shard is made on, or moved to, the worker
+its train- task runs on while the round before trains; the averaged state stays on the workers
+between rounds. Placement only: the same bytes as without it."""
+from __future__ import annotations
+
+from pipeline.core import keys
+from pipeline.training import graph
+from pipeline.training.loop import train
+from tests.helpers import assert_same_bits, make_config
+
+BASE = {"data.source": "synthetic:192:32", "model.name": "small-cnn", "train.strategy": "ipm",
+        "train.replicas": 2, "train.batch_size": 16, "train.epochs": 1.0,
+        "average.mix_every": "2", "augment.policy": "cifar", "progress": False,
+        "checkpoint_every": 0, "seed": 3, "train.optimizer": "adam", "train.lr": 1e-3,
+        "cluster.pin_replicas": True}
+
+
+class _Where:
+    """A run-output hook that reads, before the run ends, which worker ran each augment- and
+    train- task of this run (by (stage, round, replica))."""
+
+    def start(self, info):
+        import time
+        self.client, self.since = info.client, time.time() - 1  # this run's records only
+
+    def __call__(self, line):
+        pass
+
+    def close(self):
+        self.workers = {}
+        import time
+        for rec in self.client.get_task_stream(start=self.since, stop=time.time() + 1):
+            key = rec["key"]
+            if isinstance(key, tuple) and len(key) == 3 and \
+                    keys.stage_of(key) in ("augment", "train"):
+                self.workers.setdefault(key[0], {})[key[1:]] = rec["worker"]
+            if isinstance(key, tuple) and keys.stage_of(key) == "average" and \
+                    all(isinstance(c, int) for c in key[1:]):  # a tree node: round, level, i
+                self.workers.setdefault(key[0], {})[key[1:]] = rec["worker"]
+
+
+def _run(client, **fields):
+    where = _Where()
+    result = train(make_config(BASE, **fields), client, log=lambda m: None, hooks=[where])
+    return result, where.workers
+
+
+def _pairs(workers: dict) -> list:
+    """(augment worker, train worker) per (round, replica) of the one run in ``workers``."""
+    token = next(k.split("-", 1)[1] for k in workers if k.startswith("train-"))
+    shards, trains = workers["augment-" + token], workers["train-" + token]
+    return [(shards[c], trains[c]) for c in sorted(trains)]
+
+
+def test_shards_are_made_where_their_replica_trains_and_the_bytes_stay(dask_client,
+                                                                         monkeypatch):
+    prefetched, workers = _run(dask_client)
+    pairs = _pairs(workers)
+    assert len(pairs) == 2 * len(prefetched.history)
+    assert len({t for _, t in pairs}) == 2  # the replicas on their two workers
+    assert all(a == t for a, t in pairs), pairs
+    token = next(k.split("-", 1)[1] for k in workers if k.startswith("train-"))
+    roots = workers["average-" + token]  # K = 2: one node per round, the root
+    assert roots and all(w == workers["train-" + token][(r, 0)] for (r, *_), w in roots.items())
+
+    monkeypatch.setattr(graph.RoundGraph, "_augment_where", lambda self, replica: {})
+    monkeypatch.setattr(graph.RoundGraph, "_to_trainer", lambda self, shard, replica, key: shard)
+    plain, _ = _run(dask_client)
+    assert_same_bits(prefetched.params, plain.params)
+    assert prefetched.history[-1]["test_acc"] == plain.history[-1]["test_acc"]
+
+
+def test_replicas_as_threads_of_one_worker_round_as_one_replica_per_worker(dask_client):
+    """Two replicas as the two threads of one worker (their average reads both states in place,
+    moving no bytes) give the bytes of one replica per one-thread worker: each caps BLAS at its
+    share of the worker's threads (``RoundGraph._blas_share``), 1, as a one-thread worker does."""
+    import distributed
+    per_worker, _ = _run(dask_client)
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=False,
+                                  dashboard_address="127.0.0.1:0") as cluster, \
+            distributed.Client(cluster, set_as_default=False) as client:
+        threads, workers = _run(client)
+    assert len({t for _, t in _pairs(workers)}) == 1
+    assert_same_bits(per_worker.params, threads.params)
+    assert per_worker.history[-1]["test_acc"] == threads.history[-1]["test_acc"]
+
+
+def test_blas_share_is_the_workers_threads_over_its_replicas():
+    from types import SimpleNamespace
+
+    class Graph(graph.RoundGraph):
+        def __init__(self, homes, threads):
+            self._homes, self._nthreads = homes, threads
+            self.config = SimpleNamespace(train=SimpleNamespace(replicas=len(homes)))
+
+        def _home(self, replica):
+            return self._homes[replica]
+
+    assert [Graph(["a", "a"], {"a": 2})._blas_share(k) for k in (0, 1)] == [1, 1]
+    assert Graph(["a"], {"a": 2})._blas_share(0) == 2  # single: both cores
+    assert [Graph(["a", "b", "a"], {"a": 4, "b": 1})._blas_share(k) for k in (0, 1, 2)] == [2, 1, 2]
+    assert Graph([None], {})._blas_share(0) == 0  # not placed: the worker's threads
