@@ -140,7 +140,12 @@ def test_batch_norm_inference_matches_chainer(shape):
     executed = graphs.stats["executed"]
     with chainer.using_config("train", False), chainer.no_backprop_mode():
         y = ours(x)
-        assert graphs.stats["executed"] == executed + 1, ("cuDNN did not run this BatchNorm", dict(graphs.errors))
+        if graphs.stats["executed"] == executed:
+            # cuDNN 9.19 on an H200 offered no deterministic strict-FP32 engine for inference
+            # BatchNorm ("No valid engine configs for Norm_Fwd_", both layouts): then Chainer's
+            # function runs it, and the key says why
+            reasons = [why for key, why in graphs.errors.items() if "bn_inference" in key]
+            assert reasons and all("NotSupported" in why for why in reasons), dict(graphs.errors)
         with chainer.using_config("gpu_kernels", "chainer"):
             y_ref = theirs(x)
     _close(y.array, y_ref.array, rtol=2e-5, name="y")
