@@ -10,6 +10,7 @@ process group, and the driver, not the workers, decides when they stop.
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import threading
 from collections.abc import Iterator
@@ -81,10 +82,13 @@ def graceful_stop(signals=HANDLED) -> Iterator[StopRequest]:
         yield stop
         return
 
+    levels: dict = {}  # distributed's log levels before a forced stop quieted them
+
     def handler(signum, frame):
         if stop.requested or stop.in_setup:
-            if stop.requested:
-                quiet_cluster_logs()  # the cluster closes mid-task: its warnings are not news
+            if stop.requested:  # the cluster closes mid-task: its warnings are not news
+                for name, level in quiet_cluster_logs().items():
+                    levels.setdefault(name, level)
             raise ForcedStop(signum, in_setup=stop.in_setup and not stop.requested)
         stop.request(signum)
 
@@ -94,15 +98,21 @@ def graceful_stop(signals=HANDLED) -> Iterator[StopRequest]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+        for name, level in levels.items():  # the block (and the cluster it ran) has ended
+            logging.getLogger(name).setLevel(level)
 
 
-def quiet_cluster_logs() -> None:
+def quiet_cluster_logs() -> dict:
     """Silence distributed's loggers in this process (an embedded cluster's scheduler and nannies
-    warn about the tasks and workers a forced stop leaves behind); the stop is the one line."""
-    import logging
+    warn about the tasks and workers a forced stop leaves behind); the stop is the one line.
+    Returns each logger's level before, for :func:`graceful_stop` to put back."""
     names = [n for n in logging.root.manager.loggerDict if n.split(".")[0] == "distributed"]
-    for name in ["distributed", *names]:
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    before = {}
+    for name in dict.fromkeys(["distributed", *names]):
+        logger = logging.getLogger(name)
+        before[name] = logger.level
+        logger.setLevel(logging.CRITICAL)
+    return before
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ import dask
 import dask.array as da
 import numpy as np
 
+from pipeline.core import keys
 from pipeline.core.errors import DataError
 from pipeline.core.rng import rng_for
 from pipeline.data.readers import Plan, Reader
@@ -139,7 +140,8 @@ def from_store(path: str, dataset: str | None = None, rows: int = 4096) -> da.Ar
         with h5py.File(path, "r") as f:
             shape, dtype = f[dataset].shape, f[dataset].dtype
     st = os.stat(path)
-    name = f"read-{tokenize(os.path.abspath(path), dataset, st.st_size, st.st_mtime_ns, rows)[:8]}"
+    name = keys.prefix("read", tokenize(os.path.abspath(path), dataset, st.st_size,
+                                        st.st_mtime_ns, rows)[:8])
     bounds = list(range(0, shape[0], rows)) + [shape[0]]
     tail = (0,) * (len(shape) - 1)
     layer = {(name, i, *tail): Task((name, i, *tail), read_rows, path, dataset, lo, hi)
