@@ -4,11 +4,12 @@ Usage: python scripts/run_notebooks.py [NOTEBOOK ...]   (default: every notebook
 
 Each notebook runs top to bottom in a fresh `python3` kernel started in notebooks/ (as JupyterLab
 does), on a LocalCluster it starts itself. The saved copy is made stable, so that rerunning it
-changes only what a run really changes (accuracies, seconds): execution counts 1, 2, ... in cell
-order, no timing metadata, and machine details scrubbed from the text: the repository's absolute
-path, temporary directories, memory addresses and the ports a LocalCluster picks at random. Images
-are PNG (`%matplotlib inline`'s default). A notebook that shows an error, a traceback or anything
-on stderr (a warning) is not written: fix the notebook instead.
+changes only what a run really changes (seconds, async's accuracies): execution counts 1, 2, ...
+in cell order, no timing metadata, one output per run of stdout, and no machine details in the
+text: the repository's absolute path, temporary directories, memory addresses and the ports a
+LocalCluster picks at random are scrubbed. Images are PNG (`%matplotlib inline`'s default). A
+notebook that shows an error, a traceback or anything on stderr (a warning) is not written: fix
+the notebook instead.
 """
 from __future__ import annotations
 
@@ -60,6 +61,20 @@ def problems(nb) -> list[str]:
     return found
 
 
+def merge_streams(outputs: list) -> list:
+    """Consecutive stream outputs of one name as one: how the kernel split a cell's stdout into
+    messages depends on when it flushed, which changes from run to run."""
+    merged = []
+    for out in outputs:
+        previous = merged[-1] if merged else None
+        if (out.output_type == "stream" and previous is not None
+                and previous.output_type == "stream" and previous.name == out.name):
+            previous.text += out.text
+        else:
+            merged.append(out)
+    return merged
+
+
 def normalize(nb) -> None:
     """Execution counts 1..n, no timing metadata, scrubbed text outputs (in place)."""
     count = 0
@@ -69,6 +84,7 @@ def normalize(nb) -> None:
             continue
         count += 1
         cell.execution_count = count
+        cell.outputs = merge_streams(cell.outputs)
         for out in cell.outputs:
             if "execution_count" in out:
                 out.execution_count = count

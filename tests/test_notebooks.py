@@ -1,5 +1,5 @@
-"""The notebooks: committed with clean outputs (`make notebooks`), and each executes top to bottom in
-a fresh kernel."""
+"""The notebooks: committed with clean outputs (`make notebooks`), and each executes top to
+bottom in a fresh kernel."""
 from __future__ import annotations
 
 import importlib.util
@@ -33,6 +33,11 @@ def _runner():
 # LocalCluster picked, a traceback or a warning.
 MACHINE = re.compile(r"(?<![\w.:])/(tmp|home|root|work|Users|private|var)/|\bat 0x[0-9a-f]+|"
                      r"127\.0\.0\.1:\d|localhost:\d|Traceback|Warning|WARNING", re.I)
+
+
+# What a busy machine alone makes distributed say; the committed outputs have none of it (the
+# runner saves nothing then), but a CI run on loaded cores may.
+LOAD_ONLY = re.compile(r"Event loop was unresponsive in (Scheduler|Worker|Nanny)")
 
 
 def _texts(cell) -> list[str]:
@@ -125,7 +130,9 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
     assert all(c.execution_count for c in nb.cells if c.cell_type == "code")
     images = _outputs(nb, "image/png")
     assert images, "no figure was shown"
-    assert _runner().problems(nb) == []  # no error, nothing on stderr: no warning
+    stderr = "".join(o.text for o in _outputs(nb, "stream") if o.name == "stderr")
+    said = [line for line in stderr.splitlines() if line.strip() and not LOAD_ONLY.search(line)]
+    assert not said, f"{path.name} printed on stderr (a warning?):\n{stderr[-3000:]}"
     if path.name == "01-quickstart.ipynb":
         assert len(images) >= 4  # grid, augmentation preview, live plot, curves
     if path.name == "03-cluster.ipynb":  # under runs/ at the root, ignored by git
