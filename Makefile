@@ -1,12 +1,13 @@
 # make demo: create .venv, install, run the main job on the embedded LocalCluster.
 # make test: create .venv, install, run the tests.
 # make notebook: install the [notebook] extra, register the kernel, open JupyterLab on notebooks/.
+# make notebooks: rerun every notebook and save it with its outputs (commit them: figures on the web).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv bench clean notebook
+.PHONY: demo test venv bench clean notebook notebooks
 
 venv: $(STAMP)
 
@@ -31,6 +32,10 @@ notebook: $(STAMP)
 	$(PY) -m ipykernel install --sys-prefix --name python3 \
 		--display-name "Python 3 (dask-chainer-pipeline)"
 	$(VENV)/bin/jupyter lab notebooks/
+
+# On the [test] extra's nbclient and ipykernel, in a fresh kernel per notebook; ~5 minutes on 2 cores.
+notebooks: $(STAMP)
+	$(PY) scripts/run_notebooks.py
 
 bench: $(STAMP)
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
