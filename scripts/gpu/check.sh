@@ -16,14 +16,7 @@
 # bench-ipm.log install.log. Expected ~5.5 minutes; with every step at its limit, 8.5.
 # Timeouts (seconds) can be changed: T_TESTS T_PROFILE T_BENCH T_IPM. A second call can run some
 # steps only: CHECK_STEPS="install tests" (default: all; the summary always runs).
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-REPO=$PWD
-OUT="${OUT:-$REPO/gpu-results}"
-mkdir -p "$OUT"
-PY="${PYTHON:-python3}"
-SITE="${GPU_SITE:-/tmp/gpu-site}"
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/env.sh"
 export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 unset CUPY_TF32 PIPELINE_GPU_KERNELS PIPELINE_FUSED_UPDATE
 STATUS="$OUT/.status"

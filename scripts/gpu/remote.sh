@@ -4,14 +4,7 @@
 # then runs the requested steps and leaves their logs and JSON in $OUT (default gpu-results/).
 #
 #   bash scripts/gpu/remote.sh probe tests bench train
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-REPO=$PWD
-OUT="${OUT:-$REPO/gpu-results}"
-mkdir -p "$OUT"
-PY="${PYTHON:-python3}"
-SITE="${GPU_SITE:-/tmp/gpu-site}"
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/env.sh"
 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
   .whl/*.whl || { echo "installing the carried wheels failed" >&2; exit 2; }
 export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}"

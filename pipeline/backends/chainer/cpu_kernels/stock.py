@@ -129,21 +129,24 @@ def spatial_pyramid_pooling_2d(x, pyramid_height, pooling=None):
 DISPATCHERS = {name: globals()[name] for name in _HOMES}
 
 
+def _point(functions: dict) -> None:
+    """Set each of Chainer's entry points (every module it is reached through) to ``functions``."""
+    for name, homes in _HOMES.items():
+        for home in homes:
+            setattr(importlib.import_module(home), name, functions[name])
+
+
 def install() -> None:
     """Point Chainer's entry points at the dispatchers (once per process; idempotent, thread-safe)."""
     with _LOCK:
-        for name, homes in _HOMES.items():
-            for home in homes:
-                setattr(importlib.import_module(home), name, DISPATCHERS[name])
+        _point(DISPATCHERS)
         optimizers.install()
 
 
 def uninstall() -> None:
     """Give Chainer its own functions back (tests)."""
     with _LOCK:
-        for name, homes in _HOMES.items():
-            for home in homes:
-                setattr(importlib.import_module(home), name, ORIGINAL[name])
+        _point(ORIGINAL)
         optimizers.uninstall()
 
 
