@@ -7,8 +7,8 @@ Two parts, each alternating PyTorch and ours in one run:
   ``torch.set_num_threads(1)`` against our step with one BLAS thread (benchmarks/cpu_kernels.py's
   step, our kernels as the backend installs them). ``per_core_ratio``: ours / PyTorch (goal >= 1).
 - ``train``: time to 0.50 and 0.55 test accuracy and the final accuracy on real CIFAR-10 images
-  (``--train-images`` / ``--test-images`` of the archive in ../shared/data), 20 epochs of
-  cifar10-2015, Adam 1e-3, batch 100 per replica, pad-crop-flip, evaluation every epoch:
+  (the first ``--train-images`` / ``--test-images``, 10,000 / 2,000, of the archive in
+  ../shared/data: 0.55 is reached within the run), 15 epochs of cifar10-2015, Adam 1e-3, batch 100 per replica, pad-crop-flip, evaluation every epoch:
   PyTorch in one process with 1 and 2 threads, and ours in each ``--ours`` configuration on its
   own LocalCluster (started before the clock; our clock includes putting the data on the
   cluster). ``time_to_055_ratio``: our best configuration over PyTorch with 2 threads (goal <= 1).
@@ -184,12 +184,15 @@ def train_part(a, exe: str) -> dict:
                 rows += [ours_run(item, a, arrays) for item in a.ours]
     torch2 = next(r for r in rows if r.get("threads") == 2)
     ours = [r for r in rows if r["label"].startswith("ours")]
-    reached = [r for r in ours if r["time_to_055"] is not None]
-    best = min(reached, key=lambda r: r["time_to_055"]) if reached else None
-    ratio = (best["time_to_055"] / torch2["time_to_055"]
-             if best and torch2["time_to_055"] else None)
-    return {"runs": rows, "best_ours": best["label"] if best else None,
-            "time_to_055_ratio": None if ratio is None else round(ratio, 3)}
+    out = {"runs": rows}
+    for target in ("050", "055"):  # ours at its best configuration over PyTorch with 2 threads
+        reached = [r for r in ours if r[f"time_to_{target}"] is not None]
+        best = min(reached, key=lambda r: r[f"time_to_{target}"]) if reached else None
+        theirs = torch2[f"time_to_{target}"]
+        out[f"best_ours_{target}"] = best["label"] if best else None
+        out[f"time_to_{target}_ratio"] = (round(best[f"time_to_{target}"] / theirs, 3)
+                                          if best and theirs else None)
+    return out
 
 
 def main(argv=None):
@@ -197,11 +200,11 @@ def main(argv=None):
     p.add_argument("--part", default="all", choices=["all", "step", "train"])
     p.add_argument("--torch-python", help="a Python with torch (default: $PEER_TORCH_PYTHON)")
     p.add_argument("--data", default=REAL, help="CIFAR-10 python tarball (real images)")
-    p.add_argument("--train-images", type=int, default=5000)
-    p.add_argument("--test-images", type=int, default=1000)
+    p.add_argument("--train-images", type=int, default=10000)
+    p.add_argument("--test-images", type=int, default=2000)
     p.add_argument("--model", default="cifar10-2015", help="the net of the train part")
     p.add_argument("--models", default="cifar10-2015,resnet20", help="the nets of the step part")
-    p.add_argument("--epochs", type=float, default=20)
+    p.add_argument("--epochs", type=float, default=15)
     p.add_argument("--batch-size", type=int, default=100, help="per replica")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
