@@ -32,6 +32,7 @@ from pipeline.data.readers import Plan, Reader
 PREFIX = "arrays:"  # data.source of a run given data= : "arrays:<16-hex fingerprint>"
 LAYOUT = "(N, 3, H, W) or (N, H, W, 3) images (1 channel is repeated to 3)"
 BLOCK_BYTES = 64 << 20  # NumPy / Chainer data: rows per block so one block is about 64 MiB
+GRAPH_LIMIT = "distributed.admin.large-graph-warning-threshold"
 
 
 class ArrayData(NamedTuple):
@@ -67,6 +68,11 @@ def plan(source, cfg, download: bool = False, client=None) -> Plan:
     parts = as_parts(source)
     x, kind, y = images(parts.x_train, "x_train")
     xt, _, yt = images(parts.x_test, "x_test") if parts.x_test is not None else (None, kind, None)
+    with carried(x, xt):
+        return _checked(parts, x, kind, y, xt, yt, cfg, client)
+
+
+def _checked(parts, x, kind, y, xt, yt, cfg, client) -> Plan:
     y = parts.y_train if parts.y_train is not None else y
     yt = parts.y_test if parts.y_test is not None else yt
     x, xt = _scaled(x, xt, client)
@@ -92,6 +98,21 @@ def plan(source, cfg, download: bool = False, client=None) -> Plan:
 
 
 ARRAYS = Reader("arrays", claims, plan, checks_on_driver=True)
+
+
+def carried(*arrays):
+    """dask config raising distributed's large-graph warning limit by ``arrays``' bytes.
+
+    Data given as NumPy arrays or Chainer datasets travels inside the graph on purpose: the
+    scheduler keeps each block's task, so a block on a lost worker is rebuilt from it as a file
+    block is read again. Distributed's warning would advise loading "with Dask directly", which
+    asks the user for something other than what they gave.
+    """
+    import distributed  # noqa: F401  (its defaults first: a key set before them would drop them)
+    from dask.utils import parse_bytes
+    limit = parse_bytes(dask.config.get(GRAPH_LIMIT))
+    return dask.config.set({GRAPH_LIMIT: limit + sum(int(a.nbytes) for a in arrays
+                                                     if a is not None)})
 
 
 def client_of(data):

@@ -18,6 +18,7 @@ from pipeline.averaging import algorithms as averaging_algorithms
 from pipeline.cluster import connection as cluster
 from pipeline.core import keys
 from pipeline.training import tasks
+from pipeline.data import arrays as data_arrays
 from pipeline.data.augment import augment
 from pipeline.core.schedule import Round, epoch_permutation, shard_positions
 
@@ -59,7 +60,7 @@ def persist_dataset(client: distributed.Client, dataset, eval_chunk: int = 250,
             stream, n_train, image_readers.worker_memory_limits(client))
         stream = None if cached else stream
     train = [] if stream is not None else [dataset.train_images, dataset.train_labels]
-    with distributed.span("load"):
+    with distributed.span("load"), data_arrays.carried(dataset.train_images, test_images):
         arrays = client.persist(train + [test_images, test_labels], resources=resources)
 
     def blocks(array):

@@ -237,3 +237,21 @@ def test_recipe_hdf5_and_zarr(tmp_path):
     zarr = pytest.importorskip("zarr")
     zarr.save(str(tmp_path / "x.zarr"), x)
     assert _plan((da.from_zarr(str(tmp_path / "x.zarr")), y)).source == expected
+
+
+def test_numpy_data_past_the_large_graph_limit_trains_without_distributed_warning():
+    """NumPy blocks travel in the graph on purpose (the scheduler can rebuild a lost block):
+    distributed's "Sending large graph" advice is not shown for them; the limit is restored."""
+    import warnings
+
+    import dask
+    x, y = _images(200, 32)  # 614 KB of images against a 100 kB limit
+    config = make_config({**BASE, "train.epochs": 0.1})
+    with dask.config.set({arrays.GRAPH_LIMIT: "100kB"}), _cluster(1) as client, \
+            warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        result = train(config, client, data=(x, y, x[:40], y[:40]), log=lambda m: None)
+        assert dask.config.get(arrays.GRAPH_LIMIT) == "100kB"
+        with pytest.warns(UserWarning, match="Sending large graph"):  # the limit is in force
+            client.compute(da.from_array(x, chunks=50).sum()).result()
+    assert result.history
