@@ -46,7 +46,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pipeline.core.errors import DataError
-from pipeline.core.files import os_reason, read_capped
+from pipeline.core.files import describe, os_reason, read_capped
 
 # Formats Pillow may open (its plugin names). EPS/PS (Ghostscript), PDF and other exotic plugins
 # are never tried, so a file named .jpg cannot reach them.
@@ -120,17 +120,8 @@ def _listed(path: str, label: int) -> ImageFile:
     except OSError as exc:
         raise DataError(f"{path}: {os_reason(exc)}") from None
     if not stat.S_ISREG(st.st_mode):
-        raise DataError(f"{path}: not a regular file ({_kind(st.st_mode)})")
+        raise DataError(f"{path}: is {describe(st.st_mode)}, expected a regular file")
     return ImageFile(path, label, st.st_size, st.st_mtime_ns)
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return name
-    return "not a plain file"
 
 
 # The file that marks a run directory of ours (pipeline.outputs.fs.MARKER): an --out inside the

@@ -29,3 +29,23 @@ def test_image_files_are_read_with_the_core_reader(tmp_path, monkeypatch):
     monkeypatch.setattr(files, "_os_open", denied)  # the one open of the files we read
     with pytest.raises(DataError, match=r"a.jpg: cannot read the file \(permission denied\)"):
         imagefolder.decode_file(imagefolder.ImageFile(str(path), 0, 100, 0), 8)
+
+
+def test_every_reader_names_a_file_that_is_not_regular_alike(tmp_path):
+    """One wording for a FIFO (device, socket) where a file belongs: the image listing says what
+    ``open_regular`` says (it had its own shorter copy of ``files.describe``)."""
+    import os
+    fifo = tmp_path / "pipe.jpg"
+    os.mkfifo(fifo)
+    with pytest.raises(DataError) as opened:
+        files.open_regular(fifo)
+    with pytest.raises(DataError) as listed:
+        imagefolder.read_file_list(str(_list(tmp_path, "pipe.jpg 0\n")))
+    assert str(opened.value) == f"{fifo}: is a FIFO (named pipe), expected a regular file"
+    assert str(listed.value).endswith(f": {opened.value}")
+
+
+def _list(tmp_path, text: str):
+    path = tmp_path / "train.txt"
+    path.write_text(text)
+    return path

@@ -83,7 +83,7 @@ BAD = [
      "image files: .jpg"),
     ("text named .jpg", lambda r, t: (r / "class_1" / "x.jpg").write_text("hi") and str(r),
      "x.jpg: not an image Pillow can read"),
-    ("FIFO", _fifo, "pipe.jpg: not a regular file (a FIFO)"),
+    ("FIFO", _fifo, "pipe.jpg: is a FIFO (named pipe), expected a regular file"),
     ("pixel cap", lambda r, t: png_header_only(r / "class_0" / "big.png", 9000, 9000)
      and str(r), "big.png: 9000x9000 = 81000000 pixels, more than the cap of 67108864"),
     ("decompression bomb", lambda r, t: png_header_only(r / "class_0" / "bomb.png", 20000, 20000)
