@@ -4,11 +4,13 @@ import pytest
 from pipeline.core import files
 from pipeline.core.errors import DataError
 from pipeline.data import imagefolder
+from pipeline.data.imagefolder import decode, folders
 from pipeline.outputs import checkpoint, fs
 
 
 def test_every_package_gives_the_one_os_reason():
-    assert fs.os_reason is checkpoint.os_reason is imagefolder.os_reason is files.os_reason
+    assert fs.os_reason is checkpoint.os_reason is files.os_reason
+    assert decode.os_reason is folders.os_reason is files.os_reason
 
 
 def test_an_os_error_without_text_still_has_a_reason_and_long_ones_are_cut():
@@ -19,7 +21,7 @@ def test_an_os_error_without_text_still_has_a_reason_and_long_ones_are_cut():
 def test_image_files_are_read_with_the_core_reader(tmp_path, monkeypatch):
     path = tmp_path / "a.jpg"
     path.write_bytes(b"\xff\xd8" + b"0" * 98)
-    monkeypatch.setattr(imagefolder, "MAX_FILE_BYTES", 10)
+    monkeypatch.setattr(decode, "MAX_FILE_BYTES", 10)  # the module that reads
     info = imagefolder.scan_file(imagefolder.ImageFile(str(path), 0, 100, 0))
     assert info.error == (f"{path}: 100 bytes is more than an image file can hold "
                           "(at most 10 bytes)")
