@@ -1,4 +1,5 @@
 """The seams: import layering, keys, the recovery decision, stage accounting, the registries."""
+import ast
 import pickle
 import subprocess
 import sys
@@ -43,7 +44,6 @@ LAYERS = {"core": 0, "backends": 1, "cluster": 2, "data": 3, "averaging": 4, "ou
 
 def _imports(path):
     """Every ``pipeline.*`` module a file imports, at the top or inside a function."""
-    import ast
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             if node.module == "pipeline":
@@ -236,3 +236,33 @@ def test_only_the_backends_import_a_framework():
     leaks = [f"{f.relative_to(REPO)} -> {t}" for f in outside for t in _imports(f)
              if t.startswith("pipeline.backends.")]
     assert leaks == []
+
+
+def _literal(node):
+    """The value of a module-level constant written as literals and operators (``1 << 20``,
+    ``("a", "b")``), else None."""
+    allowed = (ast.Constant, ast.Tuple, ast.List, ast.BinOp, ast.UnaryOp, ast.operator,
+               ast.unaryop, ast.Load)
+    if not all(isinstance(n, allowed) for n in ast.walk(node)):
+        return None
+    return eval(compile(ast.Expression(node), "<constant>", "eval"), {"__builtins__": {}})
+
+
+def test_no_constant_is_written_twice():
+    """One copy of each fact: a module-level constant with the same name and value in two
+    modules (a limit, a list of names) is one fact kept twice; one module imports the other's."""
+    seen, twice = {}, []
+    for f in sorted((REPO / "pipeline").rglob("*.py")):
+        for node in ast.parse(f.read_text()).body:
+            if not (isinstance(node, ast.Assign) and len(node.targets) == 1
+                    and isinstance(node.targets[0], ast.Name)
+                    and node.targets[0].id.lstrip("_").isupper()):
+                continue
+            value = _literal(node.value)
+            if value is None:
+                continue
+            where = f"{f.relative_to(REPO)}:{node.lineno}"
+            first = seen.setdefault((node.targets[0].id, repr(value)), where)
+            if first != where:
+                twice.append(f"{node.targets[0].id} = {value!r}: {first} and {where}")
+    assert twice == []

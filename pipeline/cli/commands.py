@@ -10,7 +10,7 @@ from pipeline.core.config import Config
 from pipeline.core.errors import Interrupted, UsageError
 from pipeline.core.interrupt import ForcedStop
 
-# The train options: every config field declared with a flag (pipeline.core.config.opt).
+# The train options: every config field declared with a flag (pipeline.core.fields.opt).
 TRAIN_OPTIONS = options.options()
 _EVALUATE_DATA = options.pick("data.image_size", "data.val_source", "data.image_root")
 

@@ -22,13 +22,13 @@ from typing import NamedTuple
 import numpy as np
 
 from pipeline.core import arrays, npz
+from pipeline.core.config import MAX_REPLICAS  # replicas a checkpoint may hold: train.replicas'
 from pipeline.core.errors import OutputError, ResumeError
 from pipeline.core.files import MIB, open_regular, os_reason, read_text
 from pipeline.outputs.fs import checkpoint_dirs
 
 KEEP = 2  # checkpoints kept; older ones are removed after a new one is complete
 MAX_META_BYTES = 16 * MIB  # meta.json: the config and two digests, ~2 KB
-MAX_REPLICAS = 4096  # replicas a checkpoint may hold (train.replicas allows as many)
 
 
 class HostState(NamedTuple):
