@@ -254,7 +254,7 @@ def _evaluate_data_config(args):
     """The data section for evaluate: the training run's (config.json beside the weights) for
     what it says about the images, overridden by the options given."""
     import dataclasses
-    from pipeline.core.config import DataConfig
+    from pipeline.core.config_data import DataConfig
     from pipeline.outputs.fs import read_json
     saved = Path(args.weights).parent / "config.json"
     base = DataConfig()
@@ -274,7 +274,7 @@ def _demo_data(log, download: bool) -> str:
     """Real CIFAR-10 from the cache, fetched first with ``download``; else the synthetic set.
     Without ``download`` nothing touches the network (as torchvision's ``download=False``)."""
     from pipeline.data import datasets as data
-    from pipeline.core.config import DataConfig
+    from pipeline.core.config_data import DataConfig
     from pipeline.core.errors import DataError
     try:
         return data.resolve_source("cifar10", DataConfig())

@@ -16,7 +16,8 @@ import functools
 import re
 from typing import Callable, NamedTuple
 
-from pipeline.core.config import OPTIMIZERS, Config
+from pipeline.core.config import Config
+from pipeline.core.config_train import OPTIMIZERS
 
 _KINDS = {"int": int, "float": float, "str": str, "bool": bool}
 

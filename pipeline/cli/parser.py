@@ -54,7 +54,7 @@ def _add_inspect(sub):
 
 def _run_inspect(args):
     import dataclasses
-    from pipeline.core.config import DataConfig
+    from pipeline.core.config_data import DataConfig
     from pipeline.data.datasets import inspect_dataset
     cfg = dataclasses.replace(DataConfig(), **options.section_given(args, _INSPECT_DATA, "data"))
     from pipeline.outputs.fs import dumps

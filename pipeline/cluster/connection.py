@@ -17,7 +17,7 @@ import distributed
 from dask.system import CPU_COUNT
 from distributed.security import Security
 
-from pipeline.core.config import ClusterConfig
+from pipeline.core.config_cluster import ClusterConfig
 from pipeline.core.errors import ClusterError, one_line
 from pipeline.core.threads import limit_blas_threads, worker_threads  # noqa: F401 (one home: threads)
 

@@ -31,7 +31,7 @@ from dask.task_spec import Task, TaskRef
 from pipeline.data import arrays, cifar
 from pipeline.data import images as image_readers
 from pipeline.core import keys
-from pipeline.core.config import DataConfig
+from pipeline.core.config_data import DataConfig
 from pipeline.core.errors import DataError
 from pipeline.core.files import os_reason
 from pipeline.data.readers import Plan, Reader

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pipeline.core import arrays, npz
-from pipeline.core.config import MAX_REPLICAS  # replicas a checkpoint may hold: train.replicas'
+from pipeline.core.config_train import MAX_REPLICAS  # replicas a checkpoint may hold
 from pipeline.core.errors import OutputError, ResumeError
 from pipeline.core.files import MIB, open_regular, os_reason, read_text
 from pipeline.outputs.fs import checkpoint_dirs

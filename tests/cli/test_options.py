@@ -13,7 +13,7 @@ import pytest
 
 from pipeline.cli import options
 from pipeline.cli.parser import build_parser, main
-from pipeline.core.config import opt
+from pipeline.core.fields import opt
 
 # Every option `train` had before its options were built from the fields: none may go.
 TRAIN_FLAGS = """--data --image-size --val-fraction --val-data --image-root --cache --model

@@ -21,7 +21,7 @@ from typing import NamedTuple
 from pipeline.averaging import cost as scaling
 from pipeline.averaging.algorithms import hierarchical, sharded, tree
 from pipeline.averaging.algorithms.base import Context
-from pipeline.core.config import AVERAGE_ALGORITHMS
+from pipeline.core.config_train import AVERAGE_ALGORITHMS
 from pipeline.averaging.placement import Placement, place
 
 ALGORITHMS = {"tree": tree, "sharded": sharded, "hierarchical": hierarchical}
