@@ -15,7 +15,7 @@ import distributed
 import numpy as np
 
 from pipeline.averaging import algorithms as averaging_algorithms
-from pipeline.cluster import connection as cluster
+from pipeline.cluster import resources as offers
 from pipeline.core import keys
 from pipeline.training import tasks
 from pipeline.data.augment import augment
@@ -212,11 +212,11 @@ class RoundGraph:
             info = self.client.scheduler_info(n_workers=-1)["workers"]
             able = {a for hosts in averaging_algorithms.workers_by_host(
                 self.client, self.train_resources).values() for a in hosts}
-            ranks = cluster.worker_ranks({a: dict(info[a].get("resources") or {})
-                                          for a in able if a in info})
+            ranks = offers.worker_ranks({a: dict(info[a].get("resources") or {})
+                                         for a in able if a in info})
             if ranks and set(ranks.values()) == able:
                 self._workers = list(ranks.values())
-                self._rank_of = {a: cluster.rank_resource(r) for r, a in ranks.items()}
+                self._rank_of = {a: offers.rank_resource(r) for r, a in ranks.items()}
             else:
                 by_name = sorted(info.items(), key=lambda w: str(w[1]["name"]))
                 self._workers = [a for a, _ in by_name if a in able]

@@ -327,7 +327,7 @@ def test_a_worker_restarted_by_its_nanny_is_reported(tmp_path):
 def test_a_slow_worker_exit_at_the_clusters_close_is_not_printed():
     import logging
 
-    from pipeline.cluster.connection import _SlowExitFilter
+    from pipeline.cluster.embedded import _SlowExitFilter
     record = logging.LogRecord("distributed.nanny", logging.WARNING, __file__, 1,
                                "Worker process still alive after 4.0 seconds, killing", (), None)
     assert not _SlowExitFilter().filter(record)

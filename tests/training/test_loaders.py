@@ -35,7 +35,7 @@ class _Spy:
         pass
 
     def close(self):
-        from pipeline.cluster.connection import worker_resources
+        from pipeline.cluster.resources import worker_resources
         self.resources = worker_resources(self.client)
         self.stages: dict[str, set] = {}
         for rec in self.client.get_task_stream():
@@ -176,7 +176,7 @@ class _KillTrainer(_Spy):
     def __call__(self, line):
         import os
         import signal
-        from pipeline.cluster.connection import worker_resources
+        from pipeline.cluster.resources import worker_resources
         if line["round"] != 0:
             return
         roles = worker_resources(self.client)
@@ -206,7 +206,7 @@ def test_a_replay_without_training_workers(monkeypatch, device):
     """CPU runs go on on the workers left (as they would have started); GPU runs stop."""
     from types import SimpleNamespace
 
-    from pipeline.cluster import connection as cluster
+    from pipeline.cluster import resources
     from pipeline.training import recovery
     from pipeline.core.errors import ClusterError
 
@@ -214,8 +214,8 @@ def test_a_replay_without_training_workers(monkeypatch, device):
         assert wait  # an embedded cluster's nanny restarts a lost worker: wait for it
         raise ClusterError(f"no worker advertises resource {name!r}")
 
-    monkeypatch.setattr(cluster, "require_workers", lambda client, n, timeout: None)
-    monkeypatch.setattr(cluster, "require_resource", missing)
+    monkeypatch.setattr(resources, "require_workers", lambda client, n, timeout: None)
+    monkeypatch.setattr(resources, "require_resource", missing)
     lines = []
     name = "TRAIN" if device == "cpu" else "GPU"
     graph = SimpleNamespace(device=device, train_resources={name: 1})
