@@ -132,8 +132,8 @@ def has_ucx() -> bool:
 
 def check_protocol(address: str) -> None:
     """ClusterError when ``address`` names a transport this installation cannot speak: an
-    unknown one, or ``ucx://`` without UCX (distributed then failed with a ``TypeError`` about
-    an abstract class).
+    unknown one, or ``ucx://`` without UCX (distributed's own error there is a ``TypeError``
+    about an abstract class).
 
     >>> check_protocol("tcp://h:1"); check_protocol("h:1")
     >>> check_protocol("udp://h:1")

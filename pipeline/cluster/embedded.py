@@ -75,7 +75,7 @@ def embedded_cluster(cfg: ClusterConfig, gpus: list[str],
 class _SlowExitFilter(logging.Filter):
     """Drops the nanny's "Worker process still alive after 4.0 seconds, killing" while our own
     cluster closes: on a busy machine a worker takes longer to exit, and killing it then is the
-    plan, not news (it printed after the run's last line)."""
+    plan, not news (unfiltered, it prints after the run's last line)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith("Worker process still alive after")
@@ -128,8 +128,8 @@ def available_memory() -> int:
 
 def check_capacity(processes: int, cores: int = CPU_COUNT, available: int | None = None) -> None:
     """ClusterError when the embedded cluster would start more worker processes than the machine
-    holds (:func:`capacity`), before one starts: 1024 on 2 cores started until the kernel
-    killed them."""
+    holds (:func:`capacity`), before one starts: asked for 1024 on 2 cores, processes start
+    until the kernel kills them."""
     available = available_memory() if available is None else available
     most = capacity(cores, available)
     if processes > most:

@@ -271,11 +271,11 @@ class RoundGraph:
 
     def _to_trainer(self, shard, replica: int, key: tuple):
         """Prefetch: the shard of ``replica`` moved to the worker its train- task will run on,
-        while the current round trains (issue 27, item 4). Where every worker may augment, the
-        augment- task itself was placed there and this returns ``shard``; beside loader workers
-        a ``move`` task (asking for no resources, so a soft pin is safe) copies it over. The
-        train- task then finds its input on its worker instead of fetching it once the average
-        is in. Placement only: the bits are the same."""
+        while the current round trains. Where every worker may augment, the augment- task
+        itself was placed there and this returns ``shard``; beside loader workers a ``move``
+        task (asking for no resources, so a soft pin is safe) copies it over. The train- task
+        then finds its input on its worker instead of fetching it once the average is in.
+        Placement only: the bits are the same."""
         home = self._home(replica)
         if home is None or self._everywhere(self.augment_resources):
             return shard

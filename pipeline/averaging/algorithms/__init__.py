@@ -101,7 +101,7 @@ def plan(client, cfg, replicas: int, state_bytes: float | None = None,
     get(name)
     where = f"{replicas} replica(s) on {placement.n_hosts} host(s)"
     if name == "tree" and placement.n_hosts == 1:
-        placement = None  # the tree as it always ran on one machine: Dask places everything
+        placement = None  # one machine: Dask places the tree's nodes, no bytes cross hosts
     shards = f", {n_shards} shard(s)" if name != "tree" else ""
     return Plan(name, placement, n_shards, f"{name}, {where}{shards}{f' ({why})' if why else ''}")
 

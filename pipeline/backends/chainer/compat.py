@@ -183,7 +183,7 @@ def _patch_load_npz_without_pickles() -> None:
     Chainer 7.8.1 opens every ``.npz`` with ``allow_pickle=True``: an object array in the file, or
     a bare pickle given the name ``.npz``, runs code when loaded (docs/reliability.md,
     Hardening 1). Weights are plain numeric arrays, so nothing a real weights file holds is lost;
-    a pickled member now raises numpy's ``ValueError`` instead. Our own reader
+    a pickled member raises numpy's ``ValueError``. Our own reader
     (``pipeline.backends.chainer.state.load_npz``) also checks names, shapes and sizes before reading.
     """
     import numpy
