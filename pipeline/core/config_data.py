@@ -76,7 +76,8 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class AugmentConfig:
-    policy: str = opt("cifar", "augmentation of the training images (cifar: pad, crop and flip; "
+    policy: str = opt("cifar", "augmentation of the training images (none: the images as "
+                      "loaded; flip: random horizontal flips; cifar: pad, crop and flip; "
                       "cifar-cutout: and cutout; resized-crop: torchvision's RandomResizedCrop "
                       "and flip, for image folders)", flag="--augment", metavar="POLICY")
     chunk: int = opt(1000, "images per augment- seed chunk (global index ranges, not per worker)",
@@ -96,9 +97,11 @@ class AugmentConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str = opt("small-cnn", "the model (small-cnn: 15 k parameters, fast on a CPU; "
-                    "wide-mlp: a 100.9 MB state for communication experiments; resnet50, vgg16, "
-                    "googlenet: Chainer's architectures, random init, a fresh head), or your own: "
+    name: str = opt("small-cnn", "the model (cifar10-2015: mitmul's 2015 CIFAR-10 net, 5.6 M "
+                    "parameters; resnet20: He et al.'s CIFAR ResNet-20, 0.27 M; small-cnn: 15 k "
+                    "parameters, fast on a CPU; wide-mlp: a 100.9 MB state for communication "
+                    "experiments; resnet50, vgg16, googlenet: Chainer's ImageNet architectures, "
+                    "random init, a fresh head), or your own: "
                     "pkg.module:factory, a class or callable returning a chainer.Link (README, "
                     "'Your own model'); config.json records it, and a resume or evaluate of the "
                     "run needs it named again", flag="--model", metavar="NAME")

@@ -181,3 +181,16 @@ def test_the_readme_names_only_options_that_exist():
     known = {s for p in [parser, *sub.choices.values()] for a in p._actions
              for s in a.option_strings}
     assert named - known == set()
+
+
+@pytest.mark.parametrize("dest", ["model.name", "train.strategy", "augment.policy"])
+def test_a_registry_field_describes_all_of_its_names_or_none(dest):
+    """The names of a registry field (``--model``, ``--strategy``, ``--augment``) are generated
+    into its help; where the field's own text describes names too, it describes every one, so a
+    new model, strategy or policy cannot be left out of the description (as evaluate's list of
+    models once was)."""
+    field = next(o.field for o in options.options() if o.dest == dest)
+    text = field.metadata["help"]
+    names = options.choices(dest)
+    described = [n for n in names if re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", text)]
+    assert described in ([], list(names)), f"{dest}: describes {described} of {list(names)}"
