@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pipeline.cli import options
 from pipeline.core.config import Config
-from pipeline.core.errors import Interrupted, UsageError
+from pipeline.core.errors import Interrupted, UsageError, one_line
 from pipeline.core.interrupt import ForcedStop
 
 # The train options: every config field declared with a flag (pipeline.core.fields.opt).
@@ -126,7 +126,7 @@ def config_file_config(path: Path) -> Config:
     try:
         return Config.from_dict(saved)
     except (ValueError, TypeError) as exc:
-        raise UsageError(f"--config {path}: {' '.join(str(exc).split())[:160]}") from None
+        raise UsageError(f"--config {path}: {one_line(exc, kind=False, limit=160)}") from None
 
 
 def saved_config(run: Path) -> Config:

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from pipeline.cluster import assignments
+from pipeline.core.errors import one_line
 
 PEERS = 64  # finished task durations remembered per stage
 POLL_S = 1.0  # how often the driver looks while it waits (one scheduler round trip, ~1 ms)
@@ -221,7 +222,7 @@ class Watchdog:
         except Exception as exc:  # e.g. a scheduler that cannot import this package
             self.enabled = False
             self.log(f"stalled-task watchdog off: the scheduler cannot run it "
-                     f"({type(exc).__name__}: {' '.join(str(exc).split())[:120]})")
+                     f"({one_line(exc, limit=160)})")
             return []
         c = self.cfg
         verdicts = judge([Running(*row) for row in rows], self.medians(), c.stall_report,

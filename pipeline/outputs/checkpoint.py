@@ -23,7 +23,7 @@ import numpy as np
 
 from pipeline.core import arrays, npz
 from pipeline.core.config_train import MAX_REPLICAS  # replicas a checkpoint may hold
-from pipeline.core.errors import OutputError, ResumeError
+from pipeline.core.errors import OutputError, ResumeError, one_line
 from pipeline.core.files import MIB, open_regular, os_reason, read_text
 from pipeline.outputs.fs import checkpoint_dirs
 
@@ -272,7 +272,7 @@ def verify(path: Path) -> dict:
         meta = json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise ResumeError(f"checkpoint {path} is unreadable: meta.json is not JSON "
-                          f"({' '.join(str(exc).split())[:80]})") from None
+                          f"({one_line(exc, kind=False, limit=80)})") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("sha256"), dict) \
             or not isinstance(meta.get("checksum"), str):
         raise ResumeError(f"checkpoint {path} is unreadable: meta.json lacks its checksums "

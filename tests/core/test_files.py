@@ -51,3 +51,32 @@ def _list(tmp_path, text: str):
     path = tmp_path / "train.txt"
     path.write_text(text)
     return path
+
+
+def _hand_made_reasons(tree):
+    """Lines that put an exception on one line by hand: ``" ".join(str(exc).split())``."""
+    import ast
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "join" and isinstance(node.func.value, ast.Constant)
+                and node.func.value.value == " " and len(node.args) == 1):
+            arg = node.args[0]
+            if (isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute)
+                    and arg.func.attr == "split" and isinstance(arg.func.value, ast.Call)
+                    and getattr(arg.func.value.func, "id", None) == "str"
+                    and not any(isinstance(a, ast.Attribute) and a.attr == "message"
+                                for a in arg.func.value.args)):  # a warning's text is no error
+                yield node.lineno
+
+
+def test_an_exception_becomes_one_line_only_in_errors():
+    """One formatter for the reason of an error in a message (``errors.one_line``, and
+    ``files.os_reason`` over it): the strerror of an OS error, whitespace folded, cut to a
+    limit, the type where there is no text. Copies of it each did a part of that."""
+    import ast
+
+    from tests.clusters import REPO
+    found = [f"{f.relative_to(REPO)}:{line}" for f in sorted((REPO / "pipeline").rglob("*.py"))
+             if f != REPO / "pipeline" / "core" / "errors.py"
+             for line in _hand_made_reasons(ast.parse(f.read_text()))]
+    assert found == []
