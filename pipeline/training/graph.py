@@ -393,7 +393,7 @@ class RoundGraph:
         """Host values of (nested lists of) futures: the driver's one way to wait. While it
         waits, the stalled-task watchdog looks at this attempt's tasks."""
         if self.watchdog is not None:
-            self.watchdog.wait(distributed.futures_of(futures), f"-{self.token}")
+            self.watchdog.wait(distributed.futures_of(futures), keys.suffix(self.token))
         return self.client.gather(futures)
 
     def first_done(self, futures: list) -> list:
@@ -401,7 +401,7 @@ class RoundGraph:
         order given). What asynchronous strategies react to."""
         from distributed.client import FIRST_COMPLETED, _wait
         if self.watchdog is not None:
-            self.watchdog.wait(futures, f"-{self.token}", first=True)
+            self.watchdog.wait(futures, keys.suffix(self.token), first=True)
         else:  # wait() needs a default client; this one may not be
             self.client.sync(_wait, futures, return_when=FIRST_COMPLETED)
         return [f for f in futures if f.done()]
