@@ -308,3 +308,14 @@ def test_comments_cite_what_a_new_reader_can_find():
              for f in sorted((REPO / "pipeline").rglob("*.py")) for line, text in _prose(f)
              for match in [_UNRESOLVABLE.search(" ".join(text.split()))] if match]
     assert found == []
+
+
+def test_tests_share_code_through_helper_modules_not_through_other_tests():
+    """A helper two test modules use lives in ``tests/helpers.py`` (or ``clusters.py``,
+    ``images.py``, a package's ``conftest.py``), never in a test module another one imports."""
+    borrowed = [f"{f.relative_to(REPO)} -> {name}"
+                for f in sorted((REPO / "tests").rglob("*.py"))
+                for node in ast.walk(ast.parse(f.read_text()))
+                if isinstance(node, ast.ImportFrom) and node.module
+                for name in [node.module] if name.split(".")[-1].startswith("test_")]
+    assert borrowed == []

@@ -11,7 +11,7 @@ from pipeline.core import keys
 from pipeline.core.config import Config
 from pipeline.training.loop import train
 from tests.images import write_folder
-from tests.helpers import make_config
+from tests.helpers import assert_same_bits, make_config
 
 
 BASE = {"data.image_size": 32, "data.cache": "off",
@@ -65,7 +65,7 @@ def test_loader_workers_load_trainers_train_and_the_bytes_stay(tmp_path, dask_cl
     assert any("train-/evaluate- tasks on the workers advertising TRAIN, decode-/augment- on "
                "those advertising CPU" in m for m in lines)
     a, b = split.params, plain.params
-    assert sorted(a) == sorted(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
+    assert_same_bits(a, b)
     assert split.history[-1]["test_acc"] == plain.history[-1]["test_acc"]
 
 
@@ -98,7 +98,7 @@ def test_beside_loaders_each_replica_stays_on_its_ranked_training_worker(tmp_pat
     assert len(spy.ranks) == 2 * len(split.history) > 8
     assert all(rank == f"RANK-{k}" for (_, k), rank in spy.ranks.items()), spy.ranks
     a, b = split.params, plain.params
-    assert sorted(a) == sorted(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
+    assert_same_bits(a, b)
 
 
 class _Workers:
@@ -198,7 +198,7 @@ def test_a_lost_training_worker_is_waited_for_and_the_bytes_stay(tmp_path, dask_
     assert spy.killed and len(split.history) == len(plain.history) > 2
     assert len(spy.stages["train"]) == 2 and spy.loader not in spy.stages["train"], (lines, spy.resources, spy.stages)  # old, new
     a, b = split.params, plain.params
-    assert all(a[k].tobytes() == b[k].tobytes() for k in a), lines
+    assert_same_bits(a, b, lines)
 
 
 @pytest.mark.parametrize("device", ["cpu", "gpu"])
