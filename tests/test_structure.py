@@ -319,3 +319,39 @@ def test_tests_share_code_through_helper_modules_not_through_other_tests():
                 if isinstance(node, ast.ImportFrom) and node.module
                 for name in [node.module] if name.split(".")[-1].startswith("test_")]
     assert borrowed == []
+
+
+def _documented_modules(doc: str) -> tuple[set, str]:
+    """The paths the module table of docs/architecture.md names (``outputs/plots.py``,
+    ``preview.py`` after it is ``outputs/preview.py``; a folder ends in ``/``), and the package
+    map's text."""
+    table = doc[doc.index("## Modules"):doc.index("## Old module paths")]
+    paths = set()
+    for row in table.splitlines():
+        if not row.startswith("| `"):
+            continue
+        folder = ""
+        for item in re.findall(r"`([^`]+)`", row.split("|")[1]):
+            if "/" in item:
+                folder = item.rsplit("/", 1)[0] + "/"
+            paths.add(item if "/" in item else folder + item)
+    packages = doc[doc.index("## The packages"):doc.index("Arrows only point down")]
+    return paths, packages
+
+
+def test_the_architecture_map_names_every_module():
+    """docs/architecture.md is the map a new reader starts from: its module table names every
+    module of pipeline/ (a sub-package by its folder), every module it names exists, and the
+    package map names each module or sub-package in its package's lines."""
+    paths, packages = _documented_modules((REPO / "docs" / "architecture.md").read_text())
+    root = REPO / "pipeline"
+    modules = sorted(str(f.relative_to(root)) for f in root.rglob("*.py")
+                     if f.parent != root and f.name != "__init__.py")
+    folders = {p for p in paths if p.endswith("/")}
+    unnamed = [m for m in modules if m not in paths and not any(m.startswith(f) for f in folders)]
+    absent = sorted(p for p in paths if not (root / p).exists() and not (REPO / p).exists())
+    words = set(re.findall(r"[a-z_0-9]+/?", packages))
+    unit = {f.rstrip("/").split("/")[-1] + "/" for f in folders}  # sub-packages named whole
+    unmapped = [m for m in modules if m.split("/")[-1][:-3] not in words
+                and not (f"{m.split('/')[-2]}/" in unit and f"{m.split('/')[-2]}/" in words)]
+    assert (unnamed, absent, unmapped) == ([], [], [])
