@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -304,6 +305,50 @@ def subprocess_cluster(n_workers: int = 2,
 
 # ---------------------------------------------------------------------------------------------
 # Headless dashboard
+
+
+class Killer:
+    """Kills workers mid-round: when round ``after`` is reported, a thread waits until worker
+    ``index`` is busy with a ``stage`` task of a later round and SIGKILLs it (and its nanny)."""
+
+    def __init__(self, cluster, plan: dict[int, int], stage: str = "train",
+                 holding: bool = False):
+        """``holding``: a worker that holds any result counts as busy too (async's train tasks
+        are a few ms each and need not land on it: a run can end before one is seen there)."""
+        import distributed
+        self.cluster, self.plan, self.stage, self.holding = cluster, dict(plan), stage, holding
+        self.client = distributed.Client(cluster.address, set_as_default=False)
+        names = {info["name"]: addr for addr, info in
+                 self.client.scheduler_info(n_workers=-1)["workers"].items()}
+        self.address = {i: names[f"worker-{i}"] for i in plan.values()}
+        self.killed: list[tuple[int, int, str]] = []  # (worker, after round, busy key)
+        self.threads: list[threading.Thread] = []
+
+    def __call__(self, line: dict) -> None:
+        index = self.plan.pop(line["round"], None)
+        if index is not None:
+            thread = threading.Thread(target=self._kill_when_busy, args=(index, line["round"]),
+                                      daemon=True)
+            thread.start()
+            self.threads.append(thread)
+
+    def _kill_when_busy(self, index: int, after: int, timeout: float = 20.0) -> None:
+        addr, deadline = self.address[index], time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            busy = [k for k in self.client.processing(workers=[addr]).get(addr, ())
+                    if str(k).startswith(f"('{self.stage}-")]
+            if self.holding and not busy:  # anything it holds is lost with it
+                busy = list(self.client.has_what(workers=[addr]).get(addr, ()))
+            if busy:
+                self.cluster.kill_worker(index)
+                self.killed.append((index, after, str(busy[0])))
+                return
+            time.sleep(0.002)
+
+    def close(self) -> None:
+        for thread in self.threads:
+            thread.join(30)
+        self.client.close()
 
 
 def browser_skip_reason() -> str | None:

@@ -56,6 +56,12 @@ def dask_client():
         yield client
 
 
+@pytest.fixture
+def scheduler(dask_client) -> str:
+    """The in-process cluster's address: ``--scheduler`` it to skip starting a LocalCluster."""
+    return dask_client.scheduler.address
+
+
 # Processes a test may leave running on purpose: multiprocessing's helpers live for the session.
 _SESSION_HELPERS = ("resource_tracker", "forkserver", "semaphore_tracker")
 _LEFT_WAIT_S = 15.0  # a nanny that lost its scheduler takes ~8 s to give up on its own

@@ -7,10 +7,10 @@ from pathlib import Path
 
 from pipeline.cli import options
 from pipeline.core.config import Config
-from pipeline.core.errors import Interrupted, UsageError
+from pipeline.core.errors import Interrupted, UsageError, one_line
 from pipeline.core.interrupt import ForcedStop
 
-# The train options: every config field declared with a flag (pipeline.core.config.opt).
+# The train options: every config field declared with a flag (pipeline.core.fields.opt).
 TRAIN_OPTIONS = options.options()
 _EVALUATE_DATA = options.pick("data.image_size", "data.val_source", "data.image_root")
 
@@ -126,7 +126,7 @@ def config_file_config(path: Path) -> Config:
     try:
         return Config.from_dict(saved)
     except (ValueError, TypeError) as exc:
-        raise UsageError(f"--config {path}: {' '.join(str(exc).split())[:160]}") from None
+        raise UsageError(f"--config {path}: {one_line(exc, kind=False, limit=160)}") from None
 
 
 def saved_config(run: Path) -> Config:
@@ -254,7 +254,7 @@ def _evaluate_data_config(args):
     """The data section for evaluate: the training run's (config.json beside the weights) for
     what it says about the images, overridden by the options given."""
     import dataclasses
-    from pipeline.core.config import DataConfig
+    from pipeline.core.config_data import DataConfig
     from pipeline.outputs.fs import read_json
     saved = Path(args.weights).parent / "config.json"
     base = DataConfig()
@@ -274,7 +274,7 @@ def _demo_data(log, download: bool) -> str:
     """Real CIFAR-10 from the cache, fetched first with ``download``; else the synthetic set.
     Without ``download`` nothing touches the network (as torchvision's ``download=False``)."""
     from pipeline.data import datasets as data
-    from pipeline.core.config import DataConfig
+    from pipeline.core.config_data import DataConfig
     from pipeline.core.errors import DataError
     try:
         return data.resolve_source("cifar10", DataConfig())

@@ -16,7 +16,8 @@ import functools
 import re
 from typing import Callable, NamedTuple
 
-from pipeline.core.config import OPTIMIZERS, Config
+from pipeline.core.config import Config
+from pipeline.core.config_train import OPTIMIZERS
 
 _KINDS = {"int": int, "float": float, "str": str, "bool": bool}
 
@@ -60,10 +61,12 @@ def pick(*dests: str) -> list[Option]:
     return [by_dest[d] for d in dests]
 
 
-def add_options(parser, opts: list[Option], grouped: bool = False, frame: str = "{}") -> None:
+def add_options(parser, opts: list[Option], grouped: bool = False, frame: str = "{}",
+                required: tuple = ()) -> None:
     """Add ``opts`` to ``parser``, unset (None) unless given, so a resume can tell them from the
     saved config's values; ``grouped`` puts each section under its own heading, ``frame``
-    frames the default that --help shows ("from config.json, else {}")."""
+    frames the default that --help shows ("from config.json, else {}"); the options named in
+    ``required`` (dests) must be given and show no default."""
     groups = {}
     for o in opts:
         section = o.dest.rpartition(".")[0]
@@ -73,7 +76,9 @@ def add_options(parser, opts: list[Option], grouped: bool = False, frame: str = 
                 groups[section] = parser.add_argument_group(f"{section} (config section)")
             target = groups[section]
         action = _add(target, o)
-        action.help = defer(functools.partial(help_text, o, frame))
+        action.required = o.dest in required
+        shown = None if action.required else frame
+        action.help = defer(functools.partial(help_text, o, shown))
 
 
 def _add(target, o: Option) -> argparse.Action:
@@ -172,8 +177,8 @@ def defer(make: Callable[[], str]) -> Callable[[], str]:
 
 # ---- the help text ----------------------------------------------------------------------------
 
-def help_text(o: Option, frame: str = "{}") -> str:
-    """The field's help, its choices first, its default last.
+def help_text(o: Option, frame: str | None = "{}") -> str:
+    """The field's help, its choices first, its default last (none with ``frame`` None).
 
     >>> help_text(pick("train.batch_size")[0])
     "images per replica per step (B); gradient's global batch is K x B (default: 64 images)"
@@ -184,7 +189,7 @@ def help_text(o: Option, frame: str = "{}") -> str:
         text = f"{' | '.join(names)}: {text}"
     if o.dest == "train.recipe":  # what the switch turns off, from the strategies
         text += f" (recipes: {recipe_summary()})"
-    return f"{text} (default: {frame.format(default_text(o))})"
+    return text if frame is None else f"{text} (default: {frame.format(default_text(o))})"
 
 
 def _registries() -> dict:

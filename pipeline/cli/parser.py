@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from pipeline.cli import options
+from pipeline.core.config_data import DATASETS
 from pipeline.core.errors import DivergenceError, Interrupted, UsageError
 
 
@@ -38,33 +39,30 @@ def _run_synth(args):
     print(path)
 
 
-_INSPECT_DATA = options.pick("data.image_size", "data.val_source", "data.val_fraction",
-                             "data.image_root")
+_INSPECT_DATA = options.pick("data.source", "data.download", "data.image_size",
+                             "data.val_source", "data.val_fraction", "data.image_root")
 
 
 def _add_inspect(sub):
     p = sub.add_parser("inspect",
                        help="print counts, shape and class histogram of a dataset as JSON")
-    p.add_argument("--data", required=True, help="synthetic[:N:M], a CIFAR directory or tarball, "
-                   "an image folder or a file list")
-    p.add_argument("--download", action="store_true", help="fetch the official archive if missing")
-    options.add_options(p, _INSPECT_DATA)
+    options.add_options(p, _INSPECT_DATA, required=("data.source",))
     p.set_defaults(func=_run_inspect)
 
 
 def _run_inspect(args):
     import dataclasses
-    from pipeline.core.config import DataConfig
+    from pipeline.core.config_data import DataConfig
     from pipeline.data.datasets import inspect_dataset
     cfg = dataclasses.replace(DataConfig(), **options.section_given(args, _INSPECT_DATA, "data"))
     from pipeline.outputs.fs import dumps
-    print(dumps(inspect_dataset(args.data, download=args.download, cfg=cfg)))
+    print(dumps(inspect_dataset(cfg.source, download=cfg.download, cfg=cfg)))
 
 
 def _add_fetch(sub):
     p = sub.add_parser("fetch",
                        help="download an official CIFAR archive into the cache (MD5-checked)")
-    p.add_argument("--dataset", default="cifar10", choices=["cifar10", "cifar100"])
+    p.add_argument("--dataset", default=DATASETS[0], choices=DATASETS)
     p.add_argument("--format", default="python", choices=["python", "binary"])
     p.add_argument("--cache-dir", default=None)
     p.set_defaults(func=_run_fetch)

@@ -1,5 +1,6 @@
-"""The cluster: connecting (an embedded LocalCluster or a scheduler address, TLS), what each
-worker offers (resources, ranks), the watchdog that retires stalled workers, the worker preload
+"""The cluster: connecting (``connection``: a scheduler address, TLS; ``embedded``: the local
+cluster), what each worker offers (``resources``: resources, ranks), the BLAS kernel (``blas``),
+the watchdog that retires stalled workers (``watchdog``, ``assignments``), the worker preload
 (``worker_setup``) and the emulated multi-host harness (``emulated``).
 
 Front: ``connect``, ``describe``, ``has_resource`` and the rest of ``pipeline.cluster.connection``.

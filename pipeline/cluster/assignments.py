@@ -27,6 +27,8 @@ import time
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from pipeline.core import keys
+
 # A worker's own states of a task it is not computing: None (no state at all: it never got the
 # task, or forgot it), "released" (let go, about to be forgotten) and "fetch"/"flight"/"missing"
 # (it waits to receive the value from another worker, while the scheduler, which lists no one
@@ -104,8 +106,7 @@ def ours(key, suffix: str) -> bool:
     >>> ours(("train-ab12", 3, 1), "-ab12"), ours(("load-cd34", 0), "-ab12"), ours("x", "-ab12")
     (True, False, False)
     """
-    name = key[0] if isinstance(key, tuple) and key and isinstance(key[0], str) else None
-    return name is not None and name.endswith(suffix)
+    return keys.stage_in_run(key, suffix) is not None
 
 
 def assigned(suffix: str, dask_scheduler=None, heard_s: float = HEARD_S) -> list[tuple]:

@@ -1,39 +1,36 @@
-"""Connecting to Dask: an embedded LocalCluster or an external scheduler (TLS), worker resources, fail-fast checks."""
+"""Connecting to Dask: an embedded cluster (``pipeline.cluster.embedded``) or an external
+scheduler (its protocol checked, TLS), then the fail-fast checks of what its workers offer
+(``pipeline.cluster.resources``).
+
+The package's front: ``connect`` and ``security_from`` are defined here; the names of
+``embedded`` and ``resources`` that callers use with them are importable from here too.
+"""
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
 import stat
-import subprocess
-import time
-import warnings
-import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple
 
-import dask
 import distributed
-from dask.system import CPU_COUNT
 from distributed.security import Security
 
-from pipeline.core.config import ClusterConfig
+from pipeline.cluster import embedded, resources
+from pipeline.cluster.embedded import (PROCESSES_PER_CORE, WORKER_BYTES,  # noqa: F401 (front)
+                                       Roles, available_memory, capacity, check_capacity,
+                                       check_dashboard_host, default_workers, local_gpus)
+from pipeline.cluster.resources import (RANK, check_gpu_workers, describe,  # noqa: F401 (front)
+                                        gpu_report, has_resource, rank_resource,
+                                        require_resource, require_workers, worker_ranks,
+                                        worker_resources)
+from pipeline.core.config_cluster import ClusterConfig
 from pipeline.core.errors import ClusterError, one_line
 from pipeline.core.threads import limit_blas_threads, worker_threads  # noqa: F401 (one home: threads)
 
 logger = logging.getLogger(__name__)
 
-_POLL_S = 0.1  # how often require_* ask the scheduler again; a scheduler_info round trip is ~1 ms
 _TLS_FIELDS = (("tls_ca_file", "--tls-ca-file"), ("tls_cert", "--tls-cert"), ("tls_key", "--tls-key"))
-_EMBEDDED: weakref.WeakSet = weakref.WeakSet()  # clusters connect() started: they never gain workers
-
-
-class Roles(NamedTuple):
-    """The resources an embedded cluster's CPU workers advertise: `load` (decode-/augment-
-    tasks ask for it: `augment.resource`) and, beside loader workers, `train` (CPU train- and
-    evaluate- tasks ask for it: `train.cpu_resource`)."""
-    load: str = "CPU"
-    train: str = "TRAIN"
 
 
 TLS_FILE_BYTES = 1 << 20  # a PEM certificate chain or key is a few KiB
@@ -88,33 +85,6 @@ def scheduler_address(cfg: ClusterConfig) -> str | None:
     return cfg.scheduler or os.environ.get("DASK_SCHEDULER_ADDRESS") or None
 
 
-def default_workers(threads_per_worker: int, gpu_workers: int = 0, loader_workers: int = 0) -> int:
-    """Embedded CPU worker processes that fill the cores (affinity and cgroup aware) left over
-    after one core per GPU worker and per loader worker.
-
-    >>> default_workers(10**6)
-    1
-    """
-    return max(1, (CPU_COUNT - gpu_workers - loader_workers) // threads_per_worker)
-
-
-def local_gpus() -> list[str]:
-    """CUDA device ids an embedded cluster can give one GPU worker each; [] without GPUs.
-
-    The entries of $CUDA_VISIBLE_DEVICES when it is set, else the indices `nvidia-smi -L` lists.
-    Runs no CUDA code: a CUDA context in the driver would hold GPU memory for the whole run.
-    """
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return [d.strip() for d in visible.split(",") if d.strip() and d.strip() != "-1"]
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):  # no driver, or a hung one
-        return []
-    lines = out.stdout.splitlines() if out.returncode == 0 else []
-    return [str(i) for i, _ in enumerate(line for line in lines if line.startswith("GPU "))]
-
-
 @contextlib.contextmanager
 def connect(cfg: ClusterConfig, log: Callable[[str], None] | None = None, *,
             min_workers: int = 1, gpus: Sequence[str] = (), roles: Roles = Roles()
@@ -143,171 +113,15 @@ def connect(cfg: ClusterConfig, log: Callable[[str], None] | None = None, *,
             raise ClusterError("--tls-ca-file/--tls-cert/--tls-key need --scheduler tls://HOST:PORT; "
                                "the embedded LocalCluster listens on 127.0.0.1 without TLS")
         if cfg.dashboard_address:
-            check_dashboard_host(cfg.dashboard_address)
-        with _embedded_cluster(cfg, list(gpus), roles) as client:
-            log(_summary_line("started local cluster", client))
+            embedded.check_dashboard_host(cfg.dashboard_address)
+        with embedded.embedded_cluster(cfg, list(gpus), roles) as client:
+            log(resources.summary_line("started local cluster", client))
             yield client
         return
     with _external_client(address, security, cfg.connect_timeout) as client:
-        require_workers(client, min_workers, cfg.connect_timeout)
-        log(_summary_line("connected to", client))
+        resources.require_workers(client, min_workers, cfg.connect_timeout)
+        log(resources.summary_line("connected to", client))
         yield client
-
-
-@contextlib.contextmanager
-def _embedded_cluster(cfg: ClusterConfig, gpus: list[str],
-                      roles: Roles) -> Iterator[distributed.Client]:
-    from pipeline.cluster.blas import environ_kept
-    with environ_kept():  # the nannies (in this process) set the kernel of --blas-kernel here
-        try:
-            cluster = _start_embedded(cfg, gpus, roles)
-        except RuntimeError as exc:  # "Nanny failed to start": the worker processes died
-            raise ClusterError(f"could not start the local cluster's worker processes: "
-                               f"{one_line(exc, kind=False)} (a script that starts one needs "
-                               f"`if __name__ == '__main__':` around it)") from exc
-        _EMBEDDED.add(cluster)
-        # Client before cluster on the way out: the reverse order logs CommClosedError tracebacks.
-        with _quiet_close(), cluster, distributed.Client(cluster) as client:
-            yield client
-
-
-class _SlowExitFilter(logging.Filter):
-    """Drops the nanny's "Worker process still alive after 4.0 seconds, killing" while our own
-    cluster closes: on a busy machine a worker takes longer to exit, and killing it then is the
-    plan, not news (it printed after the run's last line)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Worker process still alive after")
-
-
-@contextlib.contextmanager
-def _quiet_close() -> Iterator[None]:
-    nanny, quiet = logging.getLogger("distributed.nanny"), _SlowExitFilter()
-    nanny.addFilter(quiet)
-    try:
-        yield
-    finally:
-        nanny.removeFilter(quiet)
-
-
-def _start_embedded(cfg: ClusterConfig, gpus: list[str], roles: Roles) -> distributed.SpecCluster:
-    """The embedded cluster; its worker processes ignore SIGINT and SIGTERM (they inherit that from
-    here), so a Ctrl-C to the terminal's process group reaches only the driver, which stops the
-    run at a round boundary and then closes the workers itself."""
-    from pipeline.cluster.blas import spawn_environ
-    from pipeline.core.interrupt import signals_ignored
-    with signals_ignored(), warnings.catch_warnings(), \
-            dask.config.set(spawn_environ(cfg.blas_kernel)):  # nannies read it as they start
-        # "Port 8787 is already in use ... Hosting the HTTP server on port N instead": the
-        # summary line gives the link that was bound.
-        warnings.filterwarnings("ignore", message=".*already in use", category=UserWarning)
-        return _new_embedded(cfg, gpus, roles)
-
-
-WORKER_BYTES = 256 << 20  # an idle worker process with NumPy, Chainer and distributed: ~200 MB
-PROCESSES_PER_CORE = 4  # beyond this the workers only take turns (and each still costs memory)
-
-
-def capacity(cores: int, available: int) -> int:
-    """Worker processes a machine of ``cores`` cores and ``available`` bytes of free memory can
-    hold: at most 4 a core, and ~256 MiB each.
-
-    >>> capacity(2, 16 << 30), capacity(64, 1 << 30)
-    (8, 4)
-    """
-    return max(1, min(PROCESSES_PER_CORE * cores, available // WORKER_BYTES))
-
-
-def available_memory() -> int:
-    """Bytes of memory free for new processes (the cgroup's limit where it is lower)."""
-    import psutil
-    from distributed.system import MEMORY_LIMIT
-    return int(min(psutil.virtual_memory().available, MEMORY_LIMIT))
-
-
-def check_capacity(processes: int, cores: int = CPU_COUNT, available: int | None = None) -> None:
-    """ClusterError when the embedded cluster would start more worker processes than the machine
-    holds (:func:`capacity`), before one starts: 1024 on 2 cores started until the kernel
-    killed them."""
-    available = available_memory() if available is None else available
-    most = capacity(cores, available)
-    if processes > most:
-        raise ClusterError(
-            f"cluster.workers: {processes} worker processes are more than this machine holds: "
-            f"{cores} core(s) and {available / (1 << 30):.1f} GiB of free memory hold at most "
-            f"{most} (up to {PROCESSES_PER_CORE} a core, ~{WORKER_BYTES >> 20} MiB each); give "
-            f"--workers {most} or fewer, or --scheduler ADDR of a larger cluster")
-
-
-def _new_embedded(cfg: ClusterConfig, gpus: list[str], roles: Roles) -> distributed.SpecCluster:
-    threads, loaders = cfg.threads_per_worker, cfg.loader_workers
-    n_cpu = cfg.workers or default_workers(threads, len(gpus), loaders)
-    check_capacity(n_cpu + loaders + len(gpus) * cfg.gpu_workers_per_device)
-    if not gpus and not loaders:
-        return distributed.LocalCluster(
-            n_workers=n_cpu, threads_per_worker=threads, processes=True, host="127.0.0.1",
-            dashboard_address=cfg.dashboard_address, resources={roles.load: threads},
-            preload=_worker_preloads())
-    # Unlike workers: LocalCluster gives all workers the same options, SpecCluster one spec each.
-    # Beside loaders the CPU workers train, unless GPU workers do (then they load as well).
-    # The training workers are ranks (`rank_resource`): replica k's train- tasks can be held to
-    # one of them by resource, which a worker without the train resource cannot take.
-    cpu_trains = bool(loaders and not gpus)
-    cpu_role = roles.train if cpu_trains else roles.load
-    common = {"host": "127.0.0.1", "silence_logs": logging.WARN, "dashboard": False,
-              "preload": _worker_preloads()}
-    specs = {f"cpu-{i}": {"cls": distributed.Nanny, "options": {
-        **common, "nthreads": threads, "resources": {
-            cpu_role: threads, **({rank_resource(i): threads} if cpu_trains else {})}}}
-        for i in range(n_cpu)}
-    specs.update({f"loader-{i}": {"cls": distributed.Nanny, "options": {
-        **common, "nthreads": 1, "resources": {roles.load: 1}}} for i in range(loaders)})
-    per_device, gpu_threads = cfg.gpu_workers_per_device, cfg.gpu_threads
-    gpu_workers = [(d, j) for d in gpus for j in range(per_device)]
-    specs.update({f"gpu-{d}" + (f"-{j}" if per_device > 1 else ""): {
-        "cls": distributed.Nanny, "options": {
-            **common, "nthreads": gpu_threads,
-            "resources": {"GPU": gpu_threads, rank_resource(rank): gpu_threads},
-            "env": {"CUDA_VISIBLE_DEVICES": d}}}
-        for rank, (d, j) in enumerate(gpu_workers)})
-    scheduler = {"cls": distributed.Scheduler, "options": {
-        "host": "127.0.0.1", "port": 0, "dashboard": True,
-        "dashboard_address": cfg.dashboard_address}}
-    return distributed.SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.WARN)
-
-
-RANK = "RANK-"  # prefix of the resource that names a training worker's rank: RANK-0, RANK-1, ...
-
-
-def rank_resource(rank: int) -> str:
-    """The resource a training worker of rank `rank` advertises (as much as its train resource):
-    `dask worker ADDR --resources "GPU=1,RANK-0=1"` on an external cluster.
-
-    >>> rank_resource(3)
-    'RANK-3'
-    """
-    return f"{RANK}{rank}"
-
-
-def worker_ranks(resources: dict[str, dict[str, float]]) -> dict[int, str]:
-    """{rank: worker address} of the workers that advertise a `RANK-i` resource.
-
-    >>> worker_ranks({"tcp://a:1": {"GPU": 1, "RANK-1": 1}, "tcp://b:2": {"CPU": 2},
-    ...               "tcp://c:3": {"GPU": 1, "RANK-0": 1}})
-    {0: 'tcp://c:3', 1: 'tcp://a:1'}
-    """
-    ranks = {}
-    for addr, res in resources.items():
-        for name, amount in res.items():
-            if name.startswith(RANK) and name[len(RANK):].isdigit() and amount > 0:
-                ranks[int(name[len(RANK):])] = addr
-    return dict(sorted(ranks.items()))
-
-
-def _worker_preloads() -> list[str]:
-    """The user's configured worker preloads, then ours (`pipeline.cluster.worker_setup`)."""
-    configured = dask.config.get("distributed.worker.preload") or []
-    return [*configured, "pipeline.cluster.worker_setup"]
 
 
 def has_ucx() -> bool:
@@ -318,8 +132,8 @@ def has_ucx() -> bool:
 
 def check_protocol(address: str) -> None:
     """ClusterError when ``address`` names a transport this installation cannot speak: an
-    unknown one, or ``ucx://`` without UCX (distributed then failed with a ``TypeError`` about
-    an abstract class).
+    unknown one, or ``ucx://`` without UCX (distributed's own error there is a ``TypeError``
+    about an abstract class).
 
     >>> check_protocol("tcp://h:1"); check_protocol("h:1")
     >>> check_protocol("udp://h:1")
@@ -333,24 +147,6 @@ def check_protocol(address: str) -> None:
     if scheme == "ucx" and not has_ucx():
         raise ClusterError(f"scheduler {address}: UCX is not installed here (ucx-py or "
                            "distributed-ucxx); connect with tcp:// or tls:// instead")
-
-
-def check_dashboard_host(address: str) -> None:
-    """ClusterError when the host of ``cluster.dashboard_address`` (``HOST:PORT`` or ``:PORT``)
-    does not resolve (distributed's own error blamed a missing ``__main__`` guard).
-
-    >>> check_dashboard_host(":8787"); check_dashboard_host("127.0.0.1:0")
-    """
-    import socket
-    host = address.rsplit(":", 1)[0] if ":" in address else address
-    host = host.strip("[]")
-    if not host:
-        return
-    try:
-        socket.getaddrinfo(host, None)
-    except (OSError, UnicodeError) as exc:
-        raise ClusterError(f"cluster.dashboard_address {address}: cannot resolve host {host!r} "
-                           f"({one_line(exc, kind=False)})") from None
 
 
 @contextlib.contextmanager
@@ -385,131 +181,3 @@ def _with_protocol(address: str, security: Security | None) -> str:
     if not address.startswith("tls://"):
         raise ClusterError(f"TLS files given but scheduler address {address} is not tls://")
     return address
-
-
-def worker_resources(client: distributed.Client) -> dict[str, dict[str, float]]:
-    """{worker address: {resource name: amount}} for every connected worker ({} when none)."""
-    workers = client.scheduler_info(n_workers=-1)["workers"]
-    return {addr: dict(info.get("resources") or {}) for addr, info in workers.items()}
-
-
-def has_resource(client: distributed.Client, name: str) -> bool:
-    """Whether some connected worker advertises a positive amount of resource `name`."""
-    return any(res.get(name, 0) > 0 for res in worker_resources(client).values())
-
-
-def require_resource(client: distributed.Client, name: str, timeout: float, *,
-                     wait: bool = False) -> None:
-    """Return once a worker advertises resource `name`; ClusterError after `timeout` s otherwise.
-
-    A cluster that `connect` embedded will not gain workers, so it is checked once without
-    waiting, unless `wait` (before a replay: its nannies restart a lost worker). The error lists
-    what the workers do advertise.
-    """
-    embedded = client.cluster is not None and client.cluster in _EMBEDDED
-    deadline = time.monotonic() + (0 if embedded and not wait else timeout)
-    while True:
-        resources = worker_resources(client)
-        if any(res.get(name, 0) > 0 for res in resources.values()):
-            return
-        if time.monotonic() >= deadline:
-            break
-        time.sleep(_POLL_S)
-    if embedded:
-        raise ClusterError(f"the local cluster has no worker with resource {name!r} (its workers "
-                           f"advertise: {_resource_summary(resources)}); use --device cpu, or "
-                           f"--scheduler ADDR of a cluster whose workers advertise {name}")
-    raise ClusterError(
-        f"no worker advertises resource {name!r} (waited {timeout:g} s); workers advertise: "
-        f"{_resource_summary(resources)}; start one with `dask worker ADDR --resources {name}=1`")
-
-
-def gpu_report() -> tuple[str | None, str]:
-    """On a worker: (None, one line on its CUDA stack) or (why Chainer cannot use CUDA there, "")."""
-    from pipeline.backends import get_backend
-    return get_backend().gpu_report()
-
-
-def check_gpu_workers(client: distributed.Client, name: str) -> list[str]:
-    """Ask every worker advertising resource `name` whether Chainer can train on CUDA there.
-
-    Returns one summary line per worker; ClusterError naming the worker and the reason otherwise
-    (rather than train- tasks failing later, or silently running on the CPU).
-    """
-    workers = [w for w, res in worker_resources(client).items() if res.get(name, 0) > 0]
-    reports = client.run(gpu_report, workers=workers) if workers else {}
-    lines = []
-    for worker, (reason, summary) in sorted(reports.items()):
-        if reason:
-            raise ClusterError(f"worker {worker} advertises {name} but cannot train on CUDA: {reason}")
-        lines.append(f"{worker}: {summary}")
-    return lines
-
-
-def require_workers(client: distributed.Client, n: int, timeout: float) -> None:
-    """Return once at least `n` workers are connected; ClusterError after `timeout` s otherwise."""
-    deadline = time.monotonic() + timeout
-    while len(worker_resources(client)) < n:
-        if time.monotonic() >= deadline:
-            raise ClusterError(f"scheduler {client.scheduler.address} has "
-                               f"{len(worker_resources(client))} workers, needs {n} "
-                               f"(waited {timeout:g} s); start some with `dask worker "
-                               f"{client.scheduler.address}`")
-        time.sleep(_POLL_S)
-
-
-def _resource_summary(resources: dict[str, dict[str, float]]) -> str:
-    """One line per cluster: `addr CPU=1, addr2 (none)`.
-
-    >>> _resource_summary({"tcp://a:1": {"CPU": 1.0, "GPU": 2.0}, "tcp://b:2": {}})
-    'tcp://a:1 CPU=1 GPU=2, tcp://b:2 (none)'
-    >>> _resource_summary({})
-    '(no workers connected)'
-    """
-    if not resources:
-        return "(no workers connected)"
-    parts = []
-    for addr, res in sorted(resources.items()):
-        text = " ".join(f"{k}={v:g}" for k, v in sorted(res.items())) or "(none)"
-        parts.append(f"{addr} {text}")
-    return ", ".join(parts)
-
-
-def describe(client: distributed.Client) -> dict:
-    """Scheduler, worker count, total threads, total resources and dashboard link, for logs.
-
-    Returns {"scheduler": str, "workers": int, "threads": int, "resources": {name: total}
-    (less the `RANK-i` resources), "ranks": int,
-    "per_worker": {addr: {"nthreads": int, "resources": {...}}}, "dashboard": str | None}.
-    """
-    workers = client.scheduler_info(n_workers=-1)["workers"]
-    resources = {addr: dict(info.get("resources") or {}) for addr, info in workers.items()}
-    totals: dict[str, float] = {}
-    for res in resources.values():
-        for name, amount in res.items():
-            if not name.startswith(RANK):  # one per training worker: `ranks` counts them
-                totals[name] = totals.get(name, 0) + amount
-    return {
-        "scheduler": client.scheduler.address,
-        "workers": len(workers),
-        "threads": sum(info["nthreads"] for info in workers.values()),
-        "resources": dict(sorted(totals.items())),
-        "ranks": len(worker_ranks(resources)),
-        "per_worker": {addr: {"nthreads": info["nthreads"], "resources": resources[addr]}
-                       for addr, info in sorted(workers.items())},
-        "dashboard": _dashboard_link(client),
-    }
-
-
-def _dashboard_link(client: distributed.Client) -> str | None:
-    try:
-        return client.dashboard_link
-    except (KeyError, AttributeError):  # the scheduler runs without a dashboard (no bokeh)
-        return None
-
-
-def _summary_line(what: str, client: distributed.Client) -> str:
-    d = describe(client)
-    res = " ".join(f"{k}={v:g}" for k, v in d["resources"].items()) or "none"
-    return (f"{what} {d['scheduler']}: {d['workers']} workers, {d['threads']} threads, "
-            f"resources {res}; dashboard {d['dashboard'] or '(off)'}")

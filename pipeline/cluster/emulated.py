@@ -43,6 +43,8 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
+from pipeline.core.errors import one_line
+
 FAMILY = "dcpe"  # every namespace of ours starts with this, then 6 hex digits of the run
 _NAME = re.compile(rf"^({FAMILY}[0-9a-f]{{6}})-(sw|head|host\d+)$")
 STATE_DIR = Path(os.environ.get("DCP_EMULATED_STATE", "/run/dcp-emulated"))
@@ -99,7 +101,9 @@ def skip_reason() -> str | None:
         finally:
             _run("ip", "netns", "del", probe, check=False)
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
-        return f"cannot build an emulated host here: {' '.join(str(exc).split())}"
+        name = getattr(exc, "filename", None)  # the command that is missing, for an OSError
+        what = f"{name}: " if name else ""
+        return f"cannot build an emulated host here: {what}{one_line(exc, kind=False)}"
     return None
 
 

@@ -31,6 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from pipeline.cluster import assignments
+from pipeline.core import keys
+from pipeline.core.errors import one_line
 
 PEERS = 64  # finished task durations remembered per stage
 POLL_S = 1.0  # how often the driver looks while it waits (one scheduler round trip, ~1 ms)
@@ -136,9 +138,9 @@ def executing(suffix: str, dask_scheduler=None) -> list[tuple]:
             found.extend((ts.key, silent, ws.address) for ts in ws.has_what if ts.key not in seen)
     out = []
     for key, seconds, worker in found:
-        name = key[0] if isinstance(key, tuple) and key and isinstance(key[0], str) else None
-        if name is not None and name.endswith(suffix):
-            out.append((str(key), name[:-len(suffix)], worker, float(seconds)))
+        stage = keys.stage_in_run(key, suffix)
+        if stage is not None:
+            out.append((str(key), stage, worker, float(seconds)))
     return out
 
 
@@ -221,7 +223,7 @@ class Watchdog:
         except Exception as exc:  # e.g. a scheduler that cannot import this package
             self.enabled = False
             self.log(f"stalled-task watchdog off: the scheduler cannot run it "
-                     f"({type(exc).__name__}: {' '.join(str(exc).split())[:120]})")
+                     f"({one_line(exc, limit=160)})")
             return []
         c = self.cfg
         verdicts = judge([Running(*row) for row in rows], self.medians(), c.stall_report,

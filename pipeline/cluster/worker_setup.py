@@ -18,7 +18,8 @@ a thread. The worker profile that `distributed.performance_report` asks for is a
 deep as the stacks sampled (Chainer's forward and backward inside a task), and dask's recursive
 `sizeof` of it exceeds Python's recursion limit; distributed then logs "Sizeof calculation for
 object of type 'dict' failed. Defaulting to -1 B" and sends the message as usual
-(dask/distributed#8578). The report is complete; each worker printed that line into notebook 03.
+(dask/distributed#8578). The report is complete; unfiltered, each worker prints that line
+(into notebook 03, once per worker).
 A failed sizeof with any other default (a task's result: 0.95 MiB) is still logged.
 """
 from __future__ import annotations

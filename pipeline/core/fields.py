@@ -4,6 +4,7 @@ names the field."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 from dataclasses import field
@@ -68,3 +69,15 @@ def in_range(value, lo, hi, name: str, closed_lo: bool = True, closed_hi: bool =
     ok = (lo <= value if closed_lo else lo < value) and (value <= hi if closed_hi else value < hi)
     check(ok, name, f"must be in {'[' if closed_lo else '('}{lo:g}, {hi:g}"
                      f"{']' if closed_hi else ')'}", value)
+
+
+def is_json_object(text: str) -> bool:
+    """Whether ``text`` is a JSON object (the form of --model-args and --optimizer-args).
+
+    >>> is_json_object('{"width": 2}'), is_json_object("[1]"), is_json_object("{")
+    (True, False, False)
+    """
+    try:
+        return isinstance(json.loads(text), dict) and len(text) <= 100_000
+    except (ValueError, RecursionError):
+        return False

@@ -40,6 +40,29 @@ def prefix(stage: str, token: str) -> str:
     return f"{stage}-{token}"
 
 
+def suffix(token: str) -> str:
+    """The end of every key prefix of the run (attempt) with ``token``: how the stalled-task
+    watchdog tells that run's tasks from others on the scheduler (:func:`stage_in_run`).
+
+    >>> suffix("0123abcd")
+    '-0123abcd'
+    """
+    return prefix("", token)
+
+
+def stage_in_run(key, run_suffix: str) -> str | None:
+    """The stage of ``key`` when it is a task of the run whose prefixes end with ``run_suffix``
+    (:func:`suffix`), else None: also extra stages of an average (``take``, ``reduce``).
+
+    >>> stage_in_run(("train-0123abcd", 3, 1), "-0123abcd"), stage_in_run("x", "-0123abcd")
+    ('train', None)
+    """
+    name = key[0] if isinstance(key, tuple) and key and isinstance(key[0], str) else None
+    if name is None or not name.endswith(run_suffix):
+        return None
+    return name[:-len(run_suffix)]
+
+
 def make(stage: str, token: str, *coords) -> tuple:
     """The key of one task.
 

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pipeline.core.errors import DataError
+from pipeline.core.errors import DataError, one_line
 from pipeline.core.files import open_regular, size_of
 
 MAX_DEFLATE_RATIO = 1032  # deflate's best case: 258 bytes from a 2-bit code, about 1032:1
@@ -110,7 +110,7 @@ def _read_open(f, size: int, path: str, expected, error, bound=(None, "")
         raise error(f"{path}: not enough memory to load it") from None
     except (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, EOFError, OSError, ValueError,
             NotImplementedError, RuntimeError) as exc:
-        text = " ".join(str(exc).split())[:160] or type(exc).__name__
+        text = one_line(exc, kind=False, limit=160)
         raise error(f"{path}: corrupt or truncated .npz archive ({text})") from None
 
 

@@ -31,8 +31,8 @@ from dask.task_spec import Task, TaskRef
 from pipeline.data import arrays, cifar
 from pipeline.data import images as image_readers
 from pipeline.core import keys
-from pipeline.core.config import DataConfig
-from pipeline.core.errors import DataError
+from pipeline.core.config_data import DataConfig
+from pipeline.core.errors import DataError, one_line
 from pipeline.core.files import os_reason
 from pipeline.data.readers import Plan, Reader
 
@@ -372,7 +372,7 @@ def download_failure(exc: BaseException) -> str:
             return f"HTTP status {e.response.status_code}"
         if isinstance(e, OSError) and e.strerror and not isinstance(e, ConnectionError):
             return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
-    text = " ".join(str(exc).split()) or type(exc).__name__
+    text = one_line(exc, kind=False)
     return text if len(text) <= 120 else text[:120].rsplit(" ", 1)[0] + " ..."
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from pipeline.data import imagefolder
 from pipeline.core import keys
-from pipeline.core.config import DataConfig
+from pipeline.core.config_data import DataConfig
 from pipeline.core.errors import DataError
 from pipeline.data.readers import Plan, Reader
 from pipeline.core.rng import rng_for

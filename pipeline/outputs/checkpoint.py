@@ -22,13 +22,13 @@ from typing import NamedTuple
 import numpy as np
 
 from pipeline.core import arrays, npz
-from pipeline.core.errors import OutputError, ResumeError
+from pipeline.core.config_train import MAX_REPLICAS  # replicas a checkpoint may hold
+from pipeline.core.errors import OutputError, ResumeError, one_line
 from pipeline.core.files import MIB, open_regular, os_reason, read_text
 from pipeline.outputs.fs import checkpoint_dirs
 
 KEEP = 2  # checkpoints kept; older ones are removed after a new one is complete
 MAX_META_BYTES = 16 * MIB  # meta.json: the config and two digests, ~2 KB
-MAX_REPLICAS = 4096  # replicas a checkpoint may hold (train.replicas allows as many)
 
 
 class HostState(NamedTuple):
@@ -272,7 +272,7 @@ def verify(path: Path) -> dict:
         meta = json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise ResumeError(f"checkpoint {path} is unreadable: meta.json is not JSON "
-                          f"({' '.join(str(exc).split())[:80]})") from None
+                          f"({one_line(exc, kind=False, limit=80)})") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("sha256"), dict) \
             or not isinstance(meta.get("checksum"), str):
         raise ResumeError(f"checkpoint {path} is unreadable: meta.json lacks its checksums "

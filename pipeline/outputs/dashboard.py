@@ -71,7 +71,8 @@ def progress_of(rows: Sequence[dict]) -> dict:
     """Where a run stands from its published rounds (oldest first): rounds done, of how many,
     seconds so far, the estimated seconds left, and the seconds per stage summed over the rounds.
 
-    The estimate is the mean time of the rounds seen in this session times the rounds left.
+    The estimate is the mean time per round between the first and the last row given (or, with one
+    row, since the run started) times the rounds left.
 
     >>> p = progress_of([{"round": 0, "rounds": 4, "seconds": 3.0, "stage_seconds": {"train": 2}},
     ...                  {"round": 1, "rounds": 4, "seconds": 5.0, "stage_seconds": {"train": 1}}])

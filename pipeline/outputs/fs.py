@@ -23,7 +23,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from pipeline.core.errors import OutputError, ResumeError, UsageError
+from pipeline.core.errors import OutputError, ResumeError, UsageError, one_line
 from pipeline.core.files import (MIB, check_size, open_append, open_regular, os_reason,
                                   read_text, size_of)
 
@@ -287,7 +287,7 @@ def read_json(path: Path, error: type[Exception] = UsageError, limit: int = MAX_
     try:
         return json.loads(text)
     except (ValueError, RecursionError) as exc:
-        raise error(f"{path} is unreadable ({' '.join(str(exc).split())[:120]})") from None
+        raise error(f"{path} is unreadable ({one_line(exc, kind=False, limit=120)})") from None
 
 
 def read_config(out: Path, error: type[Exception] = UsageError, cluster: bool = True):
@@ -306,4 +306,4 @@ def read_config(out: Path, error: type[Exception] = UsageError, cluster: bool = 
     try:
         return Config.from_dict(saved)
     except (ValueError, TypeError) as exc:
-        raise error(f"{path}: {' '.join(str(exc).split())[:160]}") from None
+        raise error(f"{path}: {one_line(exc, kind=False, limit=160)}") from None

@@ -149,7 +149,7 @@ class LivePlot:
             self._handle.update(image)
 
 
-# Names that lived here before the dashboard had its own module: one release of forwarding.
+# Dashboard names importable from here for one release (they live in outputs.dashboard).
 _IN_DASHBOARD = ("TOPIC", "ACTION", "PAGE", "event_of", "progress_of", "clean_event",
                  "status_html", "DASHBOARD_LOGGERS", "dashboard_log", "DashboardEvents",
                  "dashboard_events", "training_events", "add_dashboard_page", "install_page",

@@ -33,7 +33,7 @@ def prepare(out: str | None, resume: bool, overwrite: bool) -> Path | None:
     if out.is_dir() and rundir.is_ours(out):
         rundir.settle(out)  # first: an overwrite that a killed process left half done
     rundir.check(out, resume, overwrite)  # a new or empty directory, or one marked ours
-    if out.is_dir():  # what a run writes stays in OUT: a link among its names is refused now
+    if out.is_dir():  # what a run writes stays in OUT: a link among its names is refused
         for name in files.links_in(out, RUN_FILES + RUN_DIRS + ("dashboard.log",)):
             files.refuse_link(out / name, UsageError)
     if not resume and out.is_dir() and (out / "metrics.jsonl").exists() and not overwrite:

@@ -15,7 +15,7 @@ import distributed
 import numpy as np
 
 from pipeline.averaging import algorithms as averaging_algorithms
-from pipeline.cluster import connection as cluster
+from pipeline.cluster import resources as offers
 from pipeline.core import keys
 from pipeline.training import tasks
 from pipeline.data import arrays as data_arrays
@@ -213,11 +213,11 @@ class RoundGraph:
             info = self.client.scheduler_info(n_workers=-1)["workers"]
             able = {a for hosts in averaging_algorithms.workers_by_host(
                 self.client, self.train_resources).values() for a in hosts}
-            ranks = cluster.worker_ranks({a: dict(info[a].get("resources") or {})
-                                          for a in able if a in info})
+            ranks = offers.worker_ranks({a: dict(info[a].get("resources") or {})
+                                         for a in able if a in info})
             if ranks and set(ranks.values()) == able:
                 self._workers = list(ranks.values())
-                self._rank_of = {a: cluster.rank_resource(r) for r, a in ranks.items()}
+                self._rank_of = {a: offers.rank_resource(r) for r, a in ranks.items()}
             else:
                 by_name = sorted(info.items(), key=lambda w: str(w[1]["name"]))
                 self._workers = [a for a, _ in by_name if a in able]
@@ -272,11 +272,11 @@ class RoundGraph:
 
     def _to_trainer(self, shard, replica: int, key: tuple):
         """Prefetch: the shard of ``replica`` moved to the worker its train- task will run on,
-        while the current round trains (issue 27, item 4). Where every worker may augment, the
-        augment- task itself was placed there and this returns ``shard``; beside loader workers
-        a ``move`` task (asking for no resources, so a soft pin is safe) copies it over. The
-        train- task then finds its input on its worker instead of fetching it once the average
-        is in. Placement only: the bits are the same."""
+        while the current round trains. Where every worker may augment, the augment- task
+        itself was placed there and this returns ``shard``; beside loader workers a ``move``
+        task (asking for no resources, so a soft pin is safe) copies it over. The train- task
+        then finds its input on its worker instead of fetching it once the average is in.
+        Placement only: the bits are the same."""
         home = self._home(replica)
         if home is None or self._everywhere(self.augment_resources):
             return shard
@@ -394,7 +394,7 @@ class RoundGraph:
         """Host values of (nested lists of) futures: the driver's one way to wait. While it
         waits, the stalled-task watchdog looks at this attempt's tasks."""
         if self.watchdog is not None:
-            self.watchdog.wait(distributed.futures_of(futures), f"-{self.token}")
+            self.watchdog.wait(distributed.futures_of(futures), keys.suffix(self.token))
         return self.client.gather(futures)
 
     def first_done(self, futures: list) -> list:
@@ -402,7 +402,7 @@ class RoundGraph:
         order given). What asynchronous strategies react to."""
         from distributed.client import FIRST_COMPLETED, _wait
         if self.watchdog is not None:
-            self.watchdog.wait(futures, f"-{self.token}", first=True)
+            self.watchdog.wait(futures, keys.suffix(self.token), first=True)
         else:  # wait() needs a default client; this one may not be
             self.client.sync(_wait, futures, return_when=FIRST_COMPLETED)
         return [f for f in futures if f.done()]

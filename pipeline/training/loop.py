@@ -89,7 +89,8 @@ def train(config: Config, client=None, *, model=None, data=None, resume: bool = 
     prep = prepare.plan(config, out, dataset, found, spec) if dataset is not None else None
     if prep is not None and prep.complete:
         return _already_complete(config, out, prep, log)
-    from pipeline.cluster.connection import Roles, connect
+    from pipeline.cluster.connection import connect
+    from pipeline.cluster.embedded import Roles
     with contextlib.ExitStack() as stack:
         if client is None:
             roles = Roles(config.augment.resource, config.train.cpu_resource)

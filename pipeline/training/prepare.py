@@ -136,7 +136,8 @@ def given_data(config: Config, data, client, log):
 def check_device(config: Config) -> list:
     """GPU ids for an embedded cluster; refuses ``--device gpu`` where it cannot work before a
     cluster starts (with ``--scheduler`` the workers' resources decide, after connecting)."""
-    from pipeline.cluster.connection import local_gpus, scheduler_address
+    from pipeline.cluster.connection import scheduler_address
+    from pipeline.cluster.embedded import local_gpus
     device = config.train.device
     if device == "cpu":
         return []
@@ -246,25 +247,25 @@ def _device(client, config: Config, log):
     """``(device, resources train- and evaluate- tasks ask for)``: the GPU resource, or on the
     CPU ``train.cpu_resource`` when a worker advertises it (training workers beside loaders)
     and otherwise none (any worker)."""
-    from pipeline.cluster import connection as cluster
+    from pipeline.cluster import resources as offers
     t, c = config.train, config.cluster
-    cpu = ("cpu", {t.cpu_resource: 1} if cluster.has_resource(client, t.cpu_resource) else None)
+    cpu = ("cpu", {t.cpu_resource: 1} if offers.has_resource(client, t.cpu_resource) else None)
     if t.device == "cpu":
         return cpu
     if t.device == "gpu":
-        cluster.require_resource(client, t.gpu_resource, c.resource_timeout)
-    elif not cluster.has_resource(client, t.gpu_resource):
+        offers.require_resource(client, t.gpu_resource, c.resource_timeout)
+    elif not offers.has_resource(client, t.gpu_resource):
         return cpu
-    for line in cluster.check_gpu_workers(client, t.gpu_resource):
+    for line in offers.check_gpu_workers(client, t.gpu_resource):
         log(f"GPU worker {line}")
     return "gpu", {t.gpu_resource: 1}
 
 
 def _augment_resources(client, config: Config, device: str, train_res, log) -> dict | None:
     """What decode- and augment- tasks ask for: ``augment.resource`` where a worker offers it."""
-    from pipeline.cluster import connection as cluster
+    from pipeline.cluster import resources as offers
     name, trainers = config.augment.resource, config.train.cpu_resource
-    resources = {name: 1} if cluster.has_resource(client, name) else None
+    resources = {name: 1} if offers.has_resource(client, name) else None
     if device == "cpu" and train_res:
         log(f"train-/evaluate- tasks on the workers advertising {trainers}, decode-/augment- on "
             f"those advertising {name}" if resources else

@@ -265,12 +265,12 @@ def await_workers(client, graph, timeout: float, log, *, replay_from: int, hint:
     started on them (``graph.train_resources`` becomes None). ``hint``: where to go on, for the
     error that ends the run.
     """
-    from pipeline.cluster import connection as cluster
+    from pipeline.cluster import resources
     try:
-        cluster.require_workers(client, 1, timeout)
+        resources.require_workers(client, 1, timeout)
         for name in graph.train_resources or ():
             try:
-                cluster.require_resource(client, name, timeout, wait=True)
+                resources.require_resource(client, name, timeout, wait=True)
             except ClusterError:
                 if graph.device != "cpu":
                     raise

@@ -6,9 +6,14 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
+from augment import BrightnessContrast, Compose, Cutout, Flip, PadCrop, Translate
+
 settings.register_profile("augment", max_examples=100, deadline=None, derandomize=True,
                           database=None)  # same examples every run, nothing replayed from disk
 AUGMENT = settings.get_profile("augment")
+# A policy with every op, the fused paths included.
+ALL_OPS = Compose([Translate(3), Flip(0.3), PadCrop(2, "reflect"), Flip(), Cutout(5),
+                   BrightnessContrast(0.3, 0.4)])
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import pytest
 
 import augment
 from augment import ops
-from tests.augment.test_policy import ALL_OPS
+from tests.augment.conftest import ALL_OPS
 from tests.gpu_guard import require_cuda
 
 require_cuda()

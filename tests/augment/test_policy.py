@@ -10,10 +10,8 @@ from hypothesis import given, strategies as st
 import augment
 from augment import (POLICIES, BrightnessContrast, Compose, Cutout, Flip, PadCrop, Translate,
                      get_policy, sample_for_positions, take_params)
-from tests.augment.conftest import AUGMENT, ref_batch
+from tests.augment.conftest import ALL_OPS, AUGMENT, ref_batch
 
-ALL_OPS = Compose([Translate(3), Flip(0.3), PadCrop(2, "reflect"), Flip(), Cutout(5),
-                   BrightnessContrast(0.3, 0.4)])
 POLICY_LIST = list(POLICIES.values()) + [ALL_OPS]
 
 

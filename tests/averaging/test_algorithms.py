@@ -18,18 +18,13 @@ from pipeline.core.config import AverageConfig
 from pipeline.averaging.placement import place
 from pipeline.averaging.order import build, evaluate, frontier, ident, span
 from pipeline.averaging.reduction import reduce_local
+from tests.helpers import make_states, same_bits
 
 TOKEN = "0a1b2c3d"
 
 
-def make_states(k, seed, dtype=np.float32, spread=30):
-    """K states whose elements span 10**-spread..10**spread: float64 sums of them are not exact,
-    so only the same order of additions gives the same bits."""
-    rng = np.random.default_rng(seed)
-    return [{"/l1/W": (rng.standard_normal((6, 5))
-                       * 10.0 ** rng.integers(-spread, spread, (6, 5))).astype(dtype),
-             "/bn/N": np.array(10 * i + 3, np.int64),
-             "/bn/avg_var": rng.random(7).astype(dtype)} for i in range(k)]
+# States whose float64 sums are not exact: only the same order of additions gives the same bits.
+SPREAD = 30
 
 
 def tree_mean(states, fan_in):
@@ -37,28 +32,22 @@ def tree_mean(states, fan_in):
                         combine_finalize=averaging.combine_finalize)
 
 
-def same_bytes(a: dict, b: dict) -> bool:
-    return list(a) == list(b) and all(
-        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and a[k].tobytes() == b[k].tobytes()
-        for k in a)
-
-
 # ---- the addition order ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("k,fan_in", [(1, 2), (2, 2), (5, 2), (7, 3), (8, 4), (13, 4)])
 def test_nodes_evaluate_to_the_graph_tree(k, fan_in):
-    states = make_states(k, seed=k)
+    states = make_states(k, seed=k, spread=SPREAD)
     root = build(k, fan_in)
     whole = evaluate(root, dict(enumerate(states)), averaging.combine,
                      averaging.combine_finalize)
-    assert same_bytes(whole, tree_mean(states, fan_in))
+    assert same_bits(whole, tree_mean(states, fan_in))
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_a_frontier_computed_elsewhere_gives_the_same_bits(seed):
     rng = np.random.default_rng(seed)
     k, fan_in = int(rng.integers(2, 12)), int(rng.integers(2, 5))
-    states = make_states(k, seed=seed, dtype=np.float64)
+    states = make_states(k, seed=seed, dtype=np.float64, spread=SPREAD)
     root = build(k, fan_in)
     local = set(rng.choice(k, size=int(rng.integers(1, k + 1)), replace=False).tolist())
     nodes = frontier(root, local)
@@ -69,13 +58,13 @@ def test_a_frontier_computed_elsewhere_gives_the_same_bits(seed):
         known[ident(node)] = evaluate(root, dict(enumerate(states)), averaging.combine,
                                       averaging.combine_finalize, top=node)
     out = evaluate(root, known, averaging.combine, averaging.combine_finalize)
-    assert same_bytes(out, tree_mean(states, fan_in))
+    assert same_bits(out, tree_mean(states, fan_in))
 
 
 def test_a_different_order_would_give_different_bits():
     """Why a fixed order matters: these states' float64 sums are not exact."""
-    states = make_states(7, seed=1, dtype=np.float64)
-    assert not same_bytes(tree_mean(states, 2), tree_mean(states, 3))
+    states = make_states(7, seed=1, dtype=np.float64, spread=SPREAD)
+    assert not same_bits(tree_mean(states, 2), tree_mean(states, 3))
 
 
 # ---- shards -----------------------------------------------------------------------------------
@@ -94,11 +83,11 @@ def test_shards_cover_every_element_once_balanced_by_bytes(n_shards):
         assert nbytes <= layout.nbytes / n_shards + 8  # within one element of an even cut
     assert all(seen[k] == list(range(state[k].size)) for k in seen)
     pieces = [shards.take(state, n_shards, s) for s in range(n_shards)]
-    assert same_bytes(shards.assemble(pieces), state)
+    assert same_bits(shards.assemble(pieces), state)
 
 
 def test_take_is_a_view_and_a_partial_is_cut_at_the_same_elements():
-    state = make_states(1, seed=0)[0]
+    state = make_states(1, seed=0, spread=SPREAD)[0]
     piece = shards.take(state, 3, 1)
     assert all(np.shares_memory(v, state[k]) for k, v in piece.value.items())
     partial = averaging.leaf(state)
@@ -109,8 +98,8 @@ def test_take_is_a_view_and_a_partial_is_cut_at_the_same_elements():
 
 
 def test_pieces_of_different_states_are_refused():
-    a, b = make_states(2, seed=0)
-    b = {**b, "/l1/W": b["/l1/W"][:3]}
+    a, b = make_states(2, seed=0, spread=SPREAD)
+    b = {**b, "/conv1/W": b["/conv1/W"][:3]}
     with pytest.raises(ValueError, match="different entries"):
         shards.reduce_pieces({0: shards.take(a, 2, 0), 1: shards.take(b, 2, 0)}, build(2, 2))
     with pytest.raises(ValueError, match="shards 0..1"):
@@ -147,11 +136,11 @@ def layouts(workers):
 
 def mixed_states(k, seed):
     """float64 entries whose sums are inexact, float32 and float16 ones, an integer counter."""
-    return [{**s, "/h": s["/bn/avg_var"].astype(np.float16)}
-            for s in make_states(k, seed, dtype=np.float64)]
+    return [{**s, "/h": s["/bn1/avg_mean"].astype(np.float16)}
+            for s in make_states(k, seed, dtype=np.float64, spread=SPREAD)]
 
 
-def test_every_algorithm_shard_count_and_placement_gives_the_same_bytes(client):
+def test_every_algorithm_shard_count_and_placement_gives_the_same_bits(client):
     workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
     combos = list(itertools.product(layouts(workers), ALGORITHMS))
     for k in (1, 3, 5, 8):
@@ -162,7 +151,7 @@ def test_every_algorithm_shard_count_and_placement_gives_the_same_bytes(client):
             n_shards = (1, 3, 7)[(i + k) % 3]
             ctx = Context(client, "average", TOKEN, (k, i), 2, place(hosts, k), n_shards, k)
             copies = client.gather(ALGORITHMS[name].allreduce(ctx, futures))
-            assert len(copies) == k and all(same_bytes(c, expected) for c in copies), \
+            assert len(copies) == k and all(same_bits(c, expected) for c in copies), \
                 (name, k, n_shards, hosts)
 
 
@@ -172,16 +161,16 @@ def test_reduce_and_broadcast_give_the_mean_and_the_value(client):
     futures = client.scatter(states)
     for i, (hosts, name) in enumerate(itertools.product(layouts(workers), ALGORITHMS)):
         ctx = Context(client, "average", TOKEN, ("rb", i), 2, place(hosts, 5), 2 + i % 2, 5)
-        assert same_bytes(client.gather(ALGORITHMS[name].reduce(ctx, futures)),
+        assert same_bits(client.gather(ALGORITHMS[name].reduce(ctx, futures)),
                           tree_mean(states, 2))
         sent = client.gather(ALGORITHMS[name].broadcast(ctx._replace(coords=("b", i)),
                                                         futures[0]))
-        assert len(sent) == 5 and all(same_bytes(s, states[0]) for s in sent)
+        assert len(sent) == 5 and all(same_bits(s, states[0]) for s in sent)
 
 
 def test_keys_are_average_tasks_of_the_round(client):
     workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
-    states = client.scatter(make_states(4, seed=0))
+    states = client.scatter(make_states(4, seed=0, spread=SPREAD))
     ctx = Context(client, "average", "deadbeef", (7,), 2, place(layouts(workers)[0], 4), 3, 4)
     out = ALGORITHMS["hierarchical"].allreduce(ctx, states)
     client.gather(out)
@@ -271,7 +260,7 @@ def test_training_on_hosts_gives_the_weights_of_the_tree_on_one_host(process_cli
     logs = []
     out = train(cfg.replace(**{"average.algorithm": "hierarchical"}), client=process_client,
                 log=logs.append)
-    assert same_bytes(out.params, reference.params)
+    assert same_bits(out.params, reference.params)
     assert "average: hierarchical, 4 replica(s) on 3 host(s), 3 shard(s)" in logs
 
 
@@ -297,7 +286,7 @@ def test_every_averaging_strategy_on_hosts_gives_the_weights_of_one_host(
     moved = cfg.replace(**{"average.algorithm": algorithm}, **(
         {"out": str(tmp_path / "hosts")} if cfg.checkpoint_every else {}))
     out = train(moved, client=process_client, log=logs.append)
-    assert same_bytes(out.params, reference.params)
+    assert same_bits(out.params, reference.params)
     accuracy = [h.get("test_acc") for h in reference.history]
     assert [h.get("test_acc") for h in out.history] == accuracy
     assert any(line.startswith(f"average: {algorithm}, 4 replica(s) on 3 host(s)")

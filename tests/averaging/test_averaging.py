@@ -9,20 +9,9 @@ from hypothesis import strategies as st
 from pipeline.averaging import exact as averaging
 from pipeline.averaging.exact import Partial, combine, finalize, leaf, outer_step
 from pipeline.averaging.reduction import reduce_local
+from tests.helpers import make_states
 
 DTYPES = (np.float16, np.float32, np.float64)
-
-
-def make_states(k: int, seed: int, dtype=np.float32) -> list[dict]:
-    """K replica states like a small Chainer model: conv W/b, BatchNorm stats and its int N."""
-    rng = np.random.default_rng(seed)
-    return [{
-        "/conv1/W": rng.standard_normal((4, 3, 3, 3)).astype(dtype),
-        "/conv1/b": rng.standard_normal(4).astype(dtype),
-        "/bn1/avg_mean": rng.standard_normal(4).astype(dtype),
-        "/bn1/N": np.array(100 + i, np.int64),
-        "/fc/W": (rng.standard_normal((10, 4)) * 1e-3).astype(dtype),
-    } for i in range(k)]
 
 
 def numpy_mean(states, key, weights=None):

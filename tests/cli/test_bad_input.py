@@ -14,8 +14,6 @@ import http.server
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -25,8 +23,9 @@ from pipeline.data import cifar
 from pipeline.data import datasets as data
 from pipeline.core import files
 from pipeline.cli.parser import main
-from tests.clusters import REPO, free_port
-from tests.helpers import run_cli
+from tests.clusters import free_port
+from tests.helpers import (TRAIN_INFO, assert_one_error_line, assert_train_refused, no_cluster,
+                           run_cli, tree_bytes)
 
 
 def run_train(*args: str, timeout: float = 90):
@@ -36,50 +35,9 @@ def run_train(*args: str, timeout: float = 90):
 GOOD = ["--data", "synthetic:64:16", "--model", "small-cnn", "--strategy", "ipm",
         "--replicas", "2", "--batch-size", "8", "--mix-every", "2", "--epochs", "0.5",
         "--no-progress"]
-# Lines that may come before the error line: the connection summary of `connect` (bad data, a
-# missing resource or a too large batch are found once connected), and one warning per damaged
-# checkpoint that a resume skipped.
-INFO_PREFIXES = ("connected to ", "started local cluster ", "skipping checkpoint ")
-
-
-def _one_error_line(stderr: str) -> str:
-    """The error line; fails unless it is the only `error:` line, the last line, and no
-    traceback or other line came with it."""
-    lines = stderr.strip().splitlines()
-    assert lines and lines[-1].startswith("error: ") and "Traceback" not in stderr, stderr
-    assert all(x.startswith(INFO_PREFIXES) for x in lines[:-1]), stderr
-    return lines[-1]
-
-
-def _files(path: Path) -> dict:
-    """{relative path: bytes} of everything under ``path`` (directories as None)."""
-    if not path.exists():
-        return {}
-    return {str(p.relative_to(path)): (p.read_bytes() if p.is_file() else None)
-            for p in sorted(path.rglob("*"))}
-
-
-@pytest.fixture
-def scheduler(dask_client) -> str:
-    """The in-process cluster's address: `--scheduler` it to skip starting a LocalCluster."""
-    return dask_client.scheduler.address
-
-
-def _train(capsys, *args: str, out: Path | None = None) -> str:
-    """Run `train ARGS [--out OUT]` in process; assert exit 2, nothing on stdout, one error
-    line, and no outputs: OUT absent, or (found only after connecting) empty."""
-    before = _files(out) if out is not None else {}
-    existed = out is not None and out.exists()
-    code = main(["train", *args] + (["--out", str(out)] if out is not None else []))
-    stdout, stderr = capsys.readouterr()
-    assert code == 2 and stdout == "", (code, stdout, stderr)
-    line = _one_error_line(stderr)
-    if out is not None:
-        if existed:
-            assert _files(out) == before, "the output directory changed"
-        else:
-            assert not out.exists() or not any(out.iterdir()), list(out.iterdir())
-    return line
+# The error line, the last, after none but the connection summary and skipped checkpoints.
+_one_error_line = functools.partial(assert_one_error_line, before=TRAIN_INFO)
+_train = assert_train_refused
 
 
 # --- data files, through the whole train command -------------------------------------------------
@@ -278,11 +236,11 @@ RESUME = [
 def test_bad_resume(capsys, run_copy, scheduler, args, damage, message):
     if damage:
         damage(run_copy)
-    before = _files(run_copy)
+    before = tree_bytes(run_copy)
     code = main(["train", "--resume", str(run_copy), "--scheduler", scheduler, *args])
     stdout, stderr = capsys.readouterr()
     assert code == 2 and stdout == "" and message in _one_error_line(stderr), stderr
-    assert _files(run_copy) == before  # nothing truncated, rewritten or added
+    assert tree_bytes(run_copy) == before  # nothing truncated, rewritten or added
 
 
 def test_resume_of_a_directory_without_a_run(capsys, tmp_path, scheduler):
@@ -311,19 +269,15 @@ def test_out_holding_a_run_is_not_overwritten(capsys, run_copy, scheduler):
 def test_gpu_without_a_gpu_is_refused_before_a_cluster_starts(capsys, tmp_path, monkeypatch):
     import pipeline.cluster.connection
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU for an embedded cluster, even on a GPU host
-    monkeypatch.setattr(pipeline.cluster.connection, "connect", _no_cluster)
+    monkeypatch.setattr(pipeline.cluster.connection, "connect", no_cluster)
     line = _train(capsys, *GOOD, "--device", "gpu", "--workers", "1", out=tmp_path / "out")
     assert "--device gpu: this machine has no GPU for the local cluster" in line
     assert "waited" not in line and "dask worker" not in line  # no advice for another cluster
 
 
-def _no_cluster(*args, **kwargs):
-    raise AssertionError("a cluster was started for input that should be refused before")
-
-
 def test_bad_data_is_refused_before_a_cluster_starts(capsys, tmp_path, monkeypatch):
     import pipeline.cluster.connection
-    monkeypatch.setattr(pipeline.cluster.connection, "connect", _no_cluster)
+    monkeypatch.setattr(pipeline.cluster.connection, "connect", no_cluster)
     line = _train(capsys, *GOOD, "--data", str(tmp_path / "nowhere"), out=tmp_path / "out")
     assert "nowhere: no such file or directory" in line
 

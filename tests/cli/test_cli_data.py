@@ -6,8 +6,6 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,15 +15,9 @@ from pipeline.data import cifar
 from pipeline.data import datasets as data
 from pipeline.cli.parser import main
 from tests.conftest import TINY_TEST, TINY_TRAIN
-from tests.helpers import run_cli
+from tests.helpers import assert_one_error_line, run_cli
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _one_error_line(stderr: str) -> str:
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in stderr, stderr
-    return lines[0]
 
 
 class _Reduce:
@@ -60,7 +52,7 @@ def test_malicious_batch_is_refused_with_exit_2_and_never_runs(cifar_copy, tmp_p
     (cifar_copy / "data_batch_3").write_bytes(payload)
     result = run_cli("inspect", "--data", str(cifar_copy))
     assert result.returncode == 2 and result.stdout == ""
-    line = _one_error_line(result.stderr)
+    line = assert_one_error_line(result.stderr)
     assert "data_batch_3: refused pickle global posix.system" in line
     assert not marker.exists()
 
@@ -68,7 +60,7 @@ def test_malicious_batch_is_refused_with_exit_2_and_never_runs(cifar_copy, tmp_p
 def test_missing_path_exits_2_with_one_line_in_a_subprocess(tmp_path):
     result = run_cli("inspect", "--data", str(tmp_path / "absent"))
     assert result.returncode == 2
-    assert "absent: no such file or directory" in _one_error_line(result.stderr)
+    assert "absent: no such file or directory" in assert_one_error_line(result.stderr)
 
 
 # --- in process ----------------------------------------------------------------------------
@@ -124,14 +116,14 @@ BAD = [
 def test_bad_data_exits_2_with_one_line(capsys, cifar_copy, damage, message):
     damage(cifar_copy)
     code, out, err = _run(capsys, "inspect", "--data", str(cifar_copy))
-    assert code == 2 and out == "" and message in _one_error_line(err)
+    assert code == 2 and out == "" and message in assert_one_error_line(err)
 
 
 def test_truncated_archive_exits_2(capsys, cifar_tar, tmp_path):
     cut = tmp_path / "cifar-10-python.tar.gz"
     cut.write_bytes(Path(cifar_tar).read_bytes()[:400_000])
     code, _, err = _run(capsys, "inspect", "--data", str(cut))
-    assert code == 2 and "corrupt, truncated or not a tar archive" in _one_error_line(err)
+    assert code == 2 and "corrupt, truncated or not a tar archive" in assert_one_error_line(err)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -147,7 +139,7 @@ def test_bad_arguments_exit_2_with_one_line(capsys, tmp_path, monkeypatch, args,
     monkeypatch.setenv(data.CACHE_ENV, str(tmp_path / "cache"))
     args = [str(tmp_path) if a == "OUT" else a for a in args]
     code, _, err = _run(capsys, *args)
-    assert code == 2 and message in _one_error_line(err)
+    assert code == 2 and message in assert_one_error_line(err)
 
 
 def test_inspect_download_uses_the_cached_archive(capsys, tmp_path, monkeypatch, cifar_tar):
@@ -168,4 +160,4 @@ def test_fetch_failure_exits_2_with_one_line(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(data, "BASE_URL", "http://127.0.0.1:9/")  # discard port: refused
     code, _, err = _run(capsys, "fetch", "--dataset", "cifar100", "--cache-dir", str(tmp_path))
     assert code == 2 and "cannot download http://127.0.0.1:9/cifar-100-python.tar.gz" in \
-        _one_error_line(err)
+        assert_one_error_line(err)

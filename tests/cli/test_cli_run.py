@@ -11,20 +11,18 @@ import json
 import math
 import os
 import re
-import shlex
 import stat
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from pipeline import Config
 from pipeline.outputs import hooks
 from pipeline.cli.parser import build_parser, main
 from tests.clusters import REPO
-from tests.helpers import assert_same_bits
+from tests.helpers import assert_same_bits, no_cluster, readme_train_example, saved_weights
 
 # 256 images, K=2 x batch 8: 16 steps per epoch, H=4: 4 rounds per epoch.
 # --no-recipe: the settings exactly as given (the ipm recipe touches only Adam runs now; its first
@@ -36,45 +34,26 @@ ARGS = ["--no-recipe", "--data", "synthetic:256:64", "--model", "small-cnn", "--
 
 
 @pytest.fixture
-def scheduler(dask_client) -> list[str]:
-    return ["--scheduler", dask_client.scheduler.address]
+def on_scheduler(scheduler) -> list[str]:
+    """``--scheduler`` the in-process cluster (conftest's ``scheduler``)."""
+    return ["--scheduler", scheduler]
 
 
 def _lines(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def _weights(out: Path) -> dict:
-    with np.load(out / "model.npz") as f:
-        return {k: f[k] for k in f.files}
-
-
-def _no_cluster(*args, **kwargs):
-    raise AssertionError("a cluster was started")
-
-
 # --- defect 1: the README example learns -------------------------------------------------------
 
 
-def _readme_train_example() -> tuple[list[str], float]:
-    """The README's `train` example (its arguments) and the test accuracy the README states."""
-    text = (REPO / "README.md").read_text()
-    command = re.search(r"^python -m pipeline train (--data .*?)$(?<!\\)", text,
-                        re.M | re.S).group(1)
-    args = shlex.split(command.replace("\\\n", " "))
-    stated = float(re.search(r"The `train` example reaches a test accuracy of ([0-9.]+)",
-                             text).group(1))
-    return args, stated
-
-
 @pytest.mark.slow
-def test_the_readme_train_example_reaches_the_accuracy_the_readme_states(tmp_path, scheduler,
+def test_the_readme_train_example_reaches_the_accuracy_the_readme_states(tmp_path, on_scheduler,
                                                                          capsys):
-    args, stated = _readme_train_example()
+    args, stated = readme_train_example()
     assert "--lr" in args and stated > 0.3  # well above chance (0.1)
     out = tmp_path / "ipm"
     args[args.index("--out") + 1] = str(out)
-    assert main(["train", *args, *scheduler, "--no-progress"]) == 0
+    assert main(["train", *args, *on_scheduler, "--no-progress"]) == 0
     err = capsys.readouterr().err
     assert "warning" not in err, err
     test_acc = _lines(out)[-1]["test_acc"]
@@ -124,12 +103,12 @@ def test_a_run_that_learns_or_has_just_started_gives_no_warning():
 # --- defect 2 (in process): a run that stopped before its first checkpoint ----------------------
 
 
-def test_a_run_stopped_before_its_first_checkpoint_can_be_resumed(tmp_path, scheduler,
+def test_a_run_stopped_before_its_first_checkpoint_can_be_resumed(tmp_path, on_scheduler,
                                                                   dask_client, capsys):
     from pipeline.cli.commands import config_from_args
     from pipeline.training.loop import train
     whole = tmp_path / "whole"
-    assert main(["train", *ARGS, "--epochs", "1", *scheduler, "--out", str(whole)]) == 0
+    assert main(["train", *ARGS, "--epochs", "1", *on_scheduler, "--out", str(whole)]) == 0
 
     class Stop(Exception):
         pass
@@ -139,20 +118,20 @@ def test_a_run_stopped_before_its_first_checkpoint_can_be_resumed(tmp_path, sche
             raise Stop  # like a SIGKILL: no checkpoint yet (the first is due at round 9)
 
     cut = tmp_path / "cut"
-    cfg = config_from_args(build_parser().parse_args(["train", *ARGS, "--epochs", "1", *scheduler,
-                                                      "--out", str(cut)]))
+    cfg = config_from_args(build_parser().parse_args(["train", *ARGS, "--epochs", "1",
+                                                      *on_scheduler, "--out", str(cut)]))
     with pytest.raises(Stop):
         train(cfg, client=dask_client, on_round=crash_after_round_1)
     assert not (cut / "checkpoints").exists() and len(_lines(cut)) == 2
     capsys.readouterr()
-    assert main(["train", *ARGS, "--epochs", "1", *scheduler, "--out", str(cut)]) == 2
+    assert main(["train", *ARGS, "--epochs", "1", *on_scheduler, "--out", str(cut)]) == 2
     err = capsys.readouterr().err
     assert f"holds a run that stopped before its first checkpoint: start it again with --resume " \
            f"{cut}, or replace it with --overwrite" in err
-    assert main(["train", "--resume", str(cut), *scheduler, "--no-progress"]) == 0
+    assert main(["train", "--resume", str(cut), *on_scheduler, "--no-progress"]) == 0
     assert "stopped before its first checkpoint: starting its run again from round 0" in \
         capsys.readouterr().err
-    assert_same_bits(_weights(cut), _weights(whole))
+    assert_same_bits(saved_weights(cut), saved_weights(whole))
     assert [x["round"] for x in _lines(cut)] == [0, 1, 2, 3]
 
 
@@ -175,7 +154,7 @@ def test_resume_of_a_finished_run_says_so_and_starts_nothing(tmp_path, two_epoch
     import pipeline.cluster.connection
     run = Path(shutil.copytree(two_epochs, tmp_path / "run"))
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    monkeypatch.setattr(pipeline.cluster.connection, "connect", _no_cluster)
+    monkeypatch.setattr(pipeline.cluster.connection, "connect", no_cluster)
     capsys.readouterr()
     assert main(["train", "--resume", str(run)]) == 0
     out, err = capsys.readouterr()
@@ -185,14 +164,14 @@ def test_resume_of_a_finished_run_says_so_and_starts_nothing(tmp_path, two_epoch
 
 
 def test_resume_with_more_epochs_equals_the_longer_run_and_time_counts_on(tmp_path, two_epochs,
-                                                                          scheduler):
+                                                                          on_scheduler):
     import shutil
     longer = tmp_path / "longer"
-    assert main(["train", *ARGS, "--epochs", "3", *scheduler, "--out", str(longer)]) == 0
+    assert main(["train", *ARGS, "--epochs", "3", *on_scheduler, "--out", str(longer)]) == 0
     run = Path(shutil.copytree(two_epochs, tmp_path / "run"))
     before = _lines(run)
-    assert main(["train", "--resume", str(run), "--epochs", "3", *scheduler]) == 0
-    assert_same_bits(_weights(run), _weights(longer))
+    assert main(["train", "--resume", str(run), "--epochs", "3", *on_scheduler]) == 0
+    assert_same_bits(saved_weights(run), saved_weights(longer))
     lines = _lines(run)
     assert [x["round"] for x in lines] == list(range(12)) and lines[:8] == before
     seconds = [x["seconds"] for x in lines]
@@ -202,9 +181,9 @@ def test_resume_with_more_epochs_equals_the_longer_run_and_time_counts_on(tmp_pa
     assert json.loads((run / "config.json").read_text())["train"]["epochs"] == 3
 
 
-def test_resume_to_fewer_epochs_than_trained_is_refused(tmp_path, two_epochs, scheduler, capsys):
+def test_resume_to_fewer_epochs_than_trained_is_refused(tmp_path, two_epochs, on_scheduler, capsys):
     capsys.readouterr()
-    assert main(["train", "--resume", str(two_epochs), "--epochs", "1", *scheduler]) == 2
+    assert main(["train", "--resume", str(two_epochs), "--epochs", "1", *on_scheduler]) == 2
     assert f"{two_epochs} has trained 2 epochs already, more than --epochs 1" in \
         capsys.readouterr().err
 
@@ -212,10 +191,10 @@ def test_resume_to_fewer_epochs_than_trained_is_refused(tmp_path, two_epochs, sc
 # --- defect 4: a run without --out -------------------------------------------------------------
 
 
-def test_train_without_out_writes_to_runs_strategy_timestamp(tmp_path, scheduler, monkeypatch,
+def test_train_without_out_writes_to_runs_strategy_timestamp(tmp_path, on_scheduler, monkeypatch,
                                                             capsys):
     monkeypatch.chdir(tmp_path)
-    assert main(["train", *ARGS, "--epochs", "0.5", *scheduler]) == 0
+    assert main(["train", *ARGS, "--epochs", "0.5", *on_scheduler]) == 0
     out, err = capsys.readouterr()
     runs = list((tmp_path / "runs").iterdir())
     assert len(runs) == 1 and re.fullmatch(r"ipm-\d{8}-\d{6}", runs[0].name), runs
@@ -368,10 +347,10 @@ def _events(directory: Path) -> list:
     return events
 
 
-def test_csv_and_tensorboard_logs_hold_every_round(tmp_path, scheduler):
+def test_csv_and_tensorboard_logs_hold_every_round(tmp_path, on_scheduler):
     import csv
     out = tmp_path / "run"
-    assert main(["train", *ARGS, "--epochs", "1", *scheduler, "--out", str(out), "--csv",
+    assert main(["train", *ARGS, "--epochs", "1", *on_scheduler, "--out", str(out), "--csv",
                  "--tensorboard"]) == 0
     lines = _lines(out)
     rows = list(csv.DictReader((out / "metrics.csv").open()))

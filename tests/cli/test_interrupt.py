@@ -17,13 +17,10 @@ import pytest
 from pipeline.core import interrupt
 from pipeline.cli.parser import build_parser
 from pipeline.cli.commands import config_from_args
-from pipeline.backends.chainer.compat import serializers
 from pipeline.core.errors import Interrupted
-from pipeline.backends.chainer.models import build_model
-from pipeline.backends.chainer.state import get_state
 from pipeline.training.loop import train
 from tests.clusters import train_cli as _cli
-from tests.helpers import assert_same_bits
+from tests.helpers import assert_same_bits, loaded_weights, wait_for_lines
 
 # 256 images, K=3 x batch 8, H=1: 20 rounds of ~0.1 s in 2 epochs; checkpoints at rounds 9, 19.
 ARGS = ["--data", "synthetic:256:64", "--model", "small-cnn", "--strategy", "ipm",
@@ -40,30 +37,10 @@ def reference(dask_client) -> dict:
     return train(config, client=dask_client).params
 
 
-def _wait_for_rounds(out: Path, n: int, proc: subprocess.Popen, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    path = out / "metrics.jsonl"
-    while time.monotonic() < deadline:
-        if path.exists() and len(path.read_text().splitlines()) >= n:
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended early ({proc.returncode}):\n"
-                                 f"{proc.communicate()[1][-3000:]}")
-        time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise AssertionError(f"{path} did not reach {n} lines in {timeout:g} s")
-
-
-def _saved_weights(out: Path) -> dict:
-    model = build_model("small-cnn")
-    serializers.load_npz(str(out / "model.npz"), model)
-    return get_state(model)
-
-
 def _stop_with(sig: int, driver: subprocess.Popen, out: Path, after: int) -> int:
     """Send ``sig`` to the driver's process group once round ``after`` is reported; check the
     exit status, the one line and the checkpoint; return the round it stopped after."""
-    _wait_for_rounds(out, after + 1, driver)
+    wait_for_lines(out / "metrics.jsonl", after + 1, driver, timeout=90.0)
     os.killpg(driver.pid, sig)  # the whole group: driver and worker processes
     _, stderr = driver.communicate(timeout=60)
     assert driver.returncode == 128 + sig, stderr
@@ -103,7 +80,7 @@ def test_sigint_then_sigterm_mid_run_stop_with_checkpoints_and_resume_to_identic
     assert resumed.returncode == 0, stderr
     assert f"resuming {out} after round {second}" in stderr
     assert stdout.startswith(f"done: {ROUNDS} rounds")
-    assert_same_bits(_saved_weights(out), reference)
+    assert_same_bits(loaded_weights(out), reference)
     assert _rounds(out) == list(range(ROUNDS))
     seconds = _seconds(out)
     assert seconds == sorted(seconds)  # wall time counts on across both resumes

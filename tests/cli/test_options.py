@@ -13,7 +13,7 @@ import pytest
 
 from pipeline.cli import options
 from pipeline.cli.parser import build_parser, main
-from pipeline.core.config import opt
+from pipeline.core.fields import opt
 
 # Every option `train` had before its options were built from the fields: none may go.
 TRAIN_FLAGS = """--data --image-size --val-fraction --val-data --image-root --cache --model
@@ -181,3 +181,37 @@ def test_the_readme_names_only_options_that_exist():
     known = {s for p in [parser, *sub.choices.values()] for a in p._actions
              for s in a.option_strings}
     assert named - known == set()
+
+
+@pytest.mark.parametrize("dest", ["model.name", "train.strategy", "augment.policy"])
+def test_a_registry_field_describes_all_of_its_names_or_none(dest):
+    """The names of a registry field (``--model``, ``--strategy``, ``--augment``) are generated
+    into its help; where the field's own text describes names too, it describes every one, so a
+    new model, strategy or policy cannot be left out of the description (as evaluate's list of
+    models once was)."""
+    field = next(o.field for o in options.options() if o.dest == dest)
+    text = field.metadata["help"]
+    names = options.choices(dest)
+    described = [n for n in names if re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", text)]
+    assert described in ([], list(names)), f"{dest}: describes {described} of {list(names)}"
+
+
+# Options of other commands that share a config field's flag but mean something else there.
+OWN_MEANING = {("evaluate", "--data"): "the test data of a trained model",
+               ("evaluate", "--model"): "the model of --weights (the registry's names listed)",
+               ("demo", "--epochs"): "the demo's own length (3 epochs)",
+               ("demo", "--download"): "CIFAR-10 only; without it the demo makes no connection",
+               ("synth", "--seed"): "the seed of the synthetic images, not of a run"}
+
+
+def test_an_option_named_like_a_config_field_is_that_fields_option():
+    """Written once: wherever a command takes a config field's flag, the option is generated
+    from the field (its help, type and default), unless ``OWN_MEANING`` says why not."""
+    by_flag = {o.flag: o for o in options.options()}
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    written_again = [f"{name} {flag}" for name, p in sub.choices.items() for a in p._actions
+                     for flag in a.option_strings if flag in by_flag
+                     and (name, flag) not in OWN_MEANING and a.dest != by_flag[flag].dest]
+    assert written_again == []
+

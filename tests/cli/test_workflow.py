@@ -12,7 +12,6 @@ import json
 import shutil
 import tarfile
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,19 +22,11 @@ from pipeline.data import cifar
 from pipeline.training import tasks
 from pipeline.training.loop import train
 from tests.images import write_folder
+from tests.helpers import no_cluster, tree_bytes
 
 GOOD = ["--data", "synthetic:64:16", "--model", "small-cnn", "--strategy", "ipm",
         "--replicas", "2", "--batch-size", "8", "--mix-every", "2", "--epochs", "0.5",
         "--no-progress"]
-
-
-def _files(path: Path) -> dict:
-    return {str(p.relative_to(path)): (p.read_bytes() if p.is_file() else None)
-            for p in sorted(path.rglob("*"))}
-
-
-def _no_cluster(*args, **kwargs):
-    raise AssertionError("a cluster was started")
 
 
 # --- 2. no run replaced without --overwrite -----------------------------------------------------
@@ -45,13 +36,13 @@ def test_demo_refuses_to_replace_a_finished_run_without_overwrite(tmp_path, caps
     out = tmp_path / "run"
     assert main(["train", *GOOD, "--scheduler", dask_client.scheduler.address,
                  "--out", str(out)]) == 0
-    before = _files(out)
+    before = tree_bytes(out)
     capsys.readouterr()
     assert main(["demo", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "already holds a run" in err[0]
     assert "--overwrite" in err[0]
-    assert _files(out) == before  # nothing replaced, no preview written
+    assert tree_bytes(out) == before  # nothing replaced, no preview written
 
 
 # --- 3. fault and progress lines ----------------------------------------------------------------
@@ -123,7 +114,7 @@ def test_replay_lines_name_the_worker_and_the_rounds():
 
 def test_image_folder_errors_come_before_any_cluster(tmp_path, capsys, monkeypatch):
     from pipeline.cluster import connection
-    monkeypatch.setattr(connection, "connect", _no_cluster)
+    monkeypatch.setattr(connection, "connect", no_cluster)
     root = write_folder(tmp_path / "photos", classes=2, per_class=4)
     (root / "class_1" / "img_001.jpg").write_bytes(b"\xff\xd8\xff\xe0 truncated")
     assert main(["train", "--data", str(root), "--image-size", "16", "--strategy", "single",
@@ -267,9 +258,9 @@ def test_the_readme_resume_example_reaches_the_accuracy_the_readme_states(tmp_pa
     run prints 0.449)."""
     import re
 
-    from tests.cli.test_cli_run import _readme_train_example
+    from tests.helpers import readme_train_example
     from tests.clusters import REPO
-    args, _ = _readme_train_example()
+    args, _ = readme_train_example()
     stated = float(re.search(r"and ([0-9.]+) when trained on to 4 epochs",
                              (REPO / "README.md").read_text()).group(1))
     out = tmp_path / "ipm"
@@ -327,7 +318,7 @@ def test_a_worker_restarted_by_its_nanny_is_reported(tmp_path):
 def test_a_slow_worker_exit_at_the_clusters_close_is_not_printed():
     import logging
 
-    from pipeline.cluster.connection import _SlowExitFilter
+    from pipeline.cluster.embedded import _SlowExitFilter
     record = logging.LogRecord("distributed.nanny", logging.WARNING, __file__, 1,
                                "Worker process still alive after 4.0 seconds, killing", (), None)
     assert not _SlowExitFilter().filter(record)

@@ -9,11 +9,11 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 from pipeline.cluster import emulated
 from tests.clusters import REPO
+from tests.helpers import assert_same_bits, saved_weights
 
 pytestmark = [pytest.mark.cluster]
 
@@ -102,11 +102,6 @@ ARGS = ["--data", "synthetic:256:64", "--model", "small-cnn", "--strategy", "ipm
         "--seed", "5", "--fan-in", "2", "--no-progress"]
 
 
-def _weights(out) -> dict:
-    with np.load(out / "model.npz") as z:
-        return {k: z[k] for k in z.files}
-
-
 @pytest.mark.slow
 def test_ipm_across_three_hosts_gives_the_weights_of_one_worker(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -115,7 +110,7 @@ def test_ipm_across_three_hosts_gives_the_weights_of_one_worker(tmp_path):
                           "--out", str(tmp_path / "one")], capture_output=True, text=True,
                          timeout=300, env=env, cwd=REPO)
     assert one.returncode == 0, one.stderr
-    reference = _weights(tmp_path / "one")
+    reference = saved_weights(tmp_path / "one")
     with emulated.emulated_cluster(3, "100mbit", workers_per_host=(2, 1, 1),
                                    resources={"CPU": 1}) as c:
         runs = {name: c.run_in_head([sys.executable, "-m", "pipeline", "train", *ARGS,
@@ -127,8 +122,7 @@ def test_ipm_across_three_hosts_gives_the_weights_of_one_worker(tmp_path):
     for name, done in runs.items():
         assert done.returncode == 0, done.stderr
         assert f"average: {name}, 4 replica(s) on 3 host(s)" in done.stderr
-        weights = _weights(tmp_path / name)
-        assert weights.keys() == reference.keys()
-        assert all(weights[k].tobytes() == reference[k].tobytes() for k in reference), name
+        weights = saved_weights(tmp_path / name)
+        assert_same_bits(weights, reference, name)
     summary = json.loads((tmp_path / "sharded" / "summary.json").read_text())
     assert summary["rounds"] == 2

@@ -18,6 +18,7 @@ from pipeline.cluster import watchdog
 from pipeline.training.loop import train
 from pipeline.cluster.watchdog import Running, judge, thresholds
 from tests.clusters import subprocess_cluster
+from tests.helpers import assert_same_bits
 
 
 def _task(seconds: float, key="('train-ab', 3, 1)", stage="train", worker="tcp://w1"):
@@ -137,8 +138,7 @@ def test_a_stopped_worker_is_retired_and_the_result_is_unchanged(dask_client):
     retired = [x for x in log if x.startswith("stalled: ")]
     assert len(retired) == 1 and "retiring worker" in retired[0], log
     assert took < 60, (took, log)  # distributed alone: worker-ttl, 5 to 10 minutes
-    for key in reference:
-        assert reference[key].tobytes() == result.params[key].tobytes(), (key, log)
+    assert_same_bits(reference, result.params, log)
 
 
 def test_a_task_no_worker_may_run_ends_the_attempt_as_lost_work(dask_client):

@@ -32,8 +32,8 @@ def _hand_made(tree):
                       and "token" in _names(after.value)):
                     yield node.lineno  # f"scan-{token}"
                 elif (isinstance(before, ast.Constant) and before.value == "-"
-                      and parts.index(before) > 0 and "token" in _names(after.value)):
-                    yield node.lineno  # f"{stage}-{token}"
+                      and "token" in _names(after.value)):
+                    yield node.lineno  # f"{stage}-{token}", f"-{token}" (keys.suffix)
         elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
             left = node.left
             if (isinstance(left, ast.Constant) and isinstance(left.value, str)
@@ -55,7 +55,7 @@ def test_only_keys_formats_a_key_prefix():
     ('k = (f"{self.name}-{self.token}", *coords)', True),
     ('d = f"round-{r:06d}"', False),
     ('k = (f"scan-{token}", i)', True),
-    ('m = f"-{self.token}"', False),
+    ('m = f"-{self.token}"', True),  # a run's key suffix: keys.suffix
     ('w = f"gpu-{d}"', False),
 ])
 def test_the_scan_sees_hand_made_prefixes(source, bad):

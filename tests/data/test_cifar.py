@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from pipeline.data import cifar
 from pipeline.core.errors import DataError
 from tests.conftest import TINY_TEST, TINY_TRAIN
+from tests.helpers import plain_unpickle
 
 OFFICIAL_GLOBALS = {"numpy.core.multiarray _reconstruct", "numpy ndarray", "numpy dtype"}
 OFFICIAL_MEMBERS = ["cifar-10-batches-py", "cifar-10-batches-py/data_batch_4",
@@ -24,11 +25,6 @@ OFFICIAL_MEMBERS = ["cifar-10-batches-py", "cifar-10-batches-py/data_batch_4",
                     "cifar-10-batches-py/data_batch_3", "cifar-10-batches-py/batches.meta",
                     "cifar-10-batches-py/data_batch_2", "cifar-10-batches-py/data_batch_5",
                     "cifar-10-batches-py/data_batch_1"]
-
-
-def _plain_load(path):
-    with open(path, "rb") as f:
-        return pickle.load(f, encoding="bytes")
 
 
 def _sha(path) -> str:
@@ -48,16 +44,16 @@ def test_directory_and_archive_hold_the_official_files(cifar_dir, cifar_tar):
 
 def test_batches_load_with_plain_pickle_as_the_official_dicts(cifar_dir):
     for i in range(1, 6):
-        batch = _plain_load(os.path.join(cifar_dir, f"data_batch_{i}"))
+        batch = plain_unpickle(os.path.join(cifar_dir, f"data_batch_{i}"))
         assert list(batch) == [b"batch_label", b"labels", b"data", b"filenames"]
         assert batch[b"batch_label"] == f"training batch {i} of 5".encode()
         assert batch[b"data"].dtype == np.uint8 and batch[b"data"].shape == (100, 3072)
         assert all(type(c) is int and 0 <= c < 10 for c in batch[b"labels"])
         assert len(batch[b"labels"]) == len(batch[b"filenames"]) == 100
         assert all(isinstance(n, bytes) and n.endswith(b".png") for n in batch[b"filenames"])
-    test = _plain_load(os.path.join(cifar_dir, "test_batch"))
+    test = plain_unpickle(os.path.join(cifar_dir, "test_batch"))
     assert test[b"batch_label"] == b"testing batch 1 of 1" and test[b"data"].shape == (100, 3072)
-    meta = _plain_load(os.path.join(cifar_dir, "batches.meta"))
+    meta = plain_unpickle(os.path.join(cifar_dir, "batches.meta"))
     assert meta == {b"num_cases_per_batch": 100, b"num_vis": 3072,
                     b"label_names": [n.encode() for n in cifar.CIFAR10_LABEL_NAMES]}
 
@@ -65,7 +61,7 @@ def test_batches_load_with_plain_pickle_as_the_official_dicts(cifar_dir):
 def test_batches_load_with_latin1_as_torchvision_reads_them(cifar_dir):
     with open(os.path.join(cifar_dir, "data_batch_2"), "rb") as f:
         batch = pickle.load(f, encoding="latin1")
-    assert (batch["data"] == _plain_load(os.path.join(cifar_dir, "data_batch_2"))[b"data"]).all()
+    assert (batch["data"] == plain_unpickle(os.path.join(cifar_dir, "data_batch_2"))[b"data"]).all()
 
 
 def test_pickles_are_protocol_2_naming_only_the_official_globals(cifar_dir):
@@ -81,7 +77,7 @@ def test_pickles_are_protocol_2_naming_only_the_official_globals(cifar_dir):
 
 def test_training_set_is_split_over_five_batches_as_equal_as_possible(tmp_path):
     directory = cifar.write_synthetic(str(tmp_path), n_train=503, n_test=7, seed=1)
-    sizes = [len(_plain_load(os.path.join(directory, f"data_batch_{i}"))[b"labels"])
+    sizes = [len(plain_unpickle(os.path.join(directory, f"data_batch_{i}"))[b"labels"])
              for i in range(1, 6)]
     assert sizes == [101, 101, 101, 100, 100]
 
@@ -108,7 +104,7 @@ def test_same_seed_same_bytes_other_seed_other_data(tmp_path):
 def test_files_equal_the_on_the_fly_chunks(cifar_dir):
     for i in range(5):
         images, labels = cifar.synthetic_batch(0, "train", i, 100)
-        batch = _plain_load(os.path.join(cifar_dir, f"data_batch_{i + 1}"))
+        batch = plain_unpickle(os.path.join(cifar_dir, f"data_batch_{i + 1}"))
         assert (batch[b"data"].reshape(-1, 3, 32, 32) == images).all()
         assert batch[b"labels"] == labels.tolist()
 
@@ -235,7 +231,7 @@ def test_cifar100_fine_and_coarse_labels(tmp_path, kind, n_classes):
 
 def test_a_numpy2_repickled_batch_is_accepted(tmp_path, cifar_copy):
     path = cifar_copy / "data_batch_1"
-    batch = _plain_load(path)
+    batch = plain_unpickle(path)
     path.write_bytes(pickle.dumps(batch, protocol=4))  # numpy._core.multiarray._reconstruct
     images, labels = cifar.load(cifar.BatchFile("cifar10-python", str(path)))
     assert (images.reshape(100, -1) == batch[b"data"]).all() and labels.tolist() == batch[b"labels"]

@@ -26,17 +26,13 @@ from pipeline.core import files
 from pipeline.core.config import DataConfig
 from pipeline.core.errors import DataError
 from tests.conftest import TINY_TEST, TINY_TRAIN
-
-
-def _plain_load(path):
-    with open(path, "rb") as f:
-        return pickle.load(f, encoding="bytes")
+from tests.helpers import plain_unpickle
 
 
 def _oracle(directory):
     """The dataset read with plain pickle (trusted: our own fixture) as four NumPy arrays."""
     def read(names):
-        batches = [_plain_load(os.path.join(directory, n)) for n in names]
+        batches = [plain_unpickle(os.path.join(directory, n)) for n in names]
         return (np.concatenate([b[b"data"] for b in batches]).reshape(-1, 3, 32, 32),
                 np.concatenate([b[b"labels"] for b in batches]).astype(np.int32))
     return (*read([f"data_batch_{i}" for i in range(1, 6)]), *read(["test_batch"]))
@@ -131,7 +127,7 @@ def test_graph_tasks_pickle_and_run_on_a_distributed_client(cifar_tar, dask_clie
 
 def test_a_file_changed_after_opening_fails_the_load_task(cifar_copy):
     ds = data.load_dataset(str(cifar_copy))
-    batch = _plain_load(cifar_copy / "data_batch_1")
+    batch = plain_unpickle(cifar_copy / "data_batch_1")
     batch.update({b"data": batch[b"data"][:50], b"labels": batch[b"labels"][:50]})
     (cifar_copy / "data_batch_1").write_bytes(cifar.py2_dumps(batch))
     with pytest.raises(DataError, match="holds 50 images but held 100 .*changed"):
@@ -180,17 +176,17 @@ def test_inspect_synthetic_counts_without_drawing_images(monkeypatch):
 
 
 def _rewrite(directory, name, **entries):
-    batch = _plain_load(directory / name)
+    batch = plain_unpickle(directory / name)
     batch.update({k.encode(): v for k, v in entries.items()})
     (directory / name).write_bytes(cifar.py2_dumps(batch))
 
 
 def _data(directory, name="data_batch_2"):
-    return _plain_load(directory / name)[b"data"]
+    return plain_unpickle(directory / name)[b"data"]
 
 
 def _labels(directory, name="data_batch_2"):
-    return _plain_load(directory / name)[b"labels"]
+    return plain_unpickle(directory / name)[b"labels"]
 
 
 def _cut(path, keep=0.5):

@@ -13,6 +13,7 @@ from PIL import Image
 
 from pipeline.core.errors import DataError
 from pipeline.data import imagefolder
+from pipeline.data.imagefolder import decode
 
 
 def _progressive_jpeg(extra_scans: int = 0) -> bytes:
@@ -30,13 +31,13 @@ def test_a_jpeg_of_too_many_scans_is_refused_before_it_is_decoded(tmp_path):
     good = tmp_path / "good.jpg"
     good.write_bytes(_progressive_jpeg())
     assert 1 < imagefolder.jpeg_scans(good.read_bytes()) <= imagefolder.MAX_JPEG_SCANS
-    f = imagefolder._listed(str(good), 0)
+    f = imagefolder.listed(str(good), 0)
     assert imagefolder.scan_file(f).error is None
     assert imagefolder.decode_file(f, 16).shape == (3, 16, 16)
 
     bad = tmp_path / "scans.jpg"
     bad.write_bytes(_progressive_jpeg(extra_scans=100_000))  # ~1 MB
-    f = imagefolder._listed(str(bad), 0)
+    f = imagefolder.listed(str(bad), 0)
     start = time.monotonic()
     scans = imagefolder.jpeg_scans(bad.read_bytes())
     assert scans > 100_000
@@ -56,7 +57,7 @@ def test_a_16_bit_png_costs_a_few_bytes_a_pixel(tmp_path):
     path = tmp_path / "deep.png"
     Image.fromarray(np.full((4096, 4096), 65535, np.uint16)).save(path)
     assert path.stat().st_size < 100_000
-    f = imagefolder._listed(str(path), 0)
+    f = imagefolder.listed(str(path), 0)
     tracemalloc.start()
     try:
         image = imagefolder.decode_file(f, 16)
@@ -72,7 +73,7 @@ def test_an_io_error_reading_an_image_is_one_line_and_not_lost_work(tmp_path):
     from pipeline.training import recovery
     link = tmp_path / "eio.jpg"
     os.symlink("/proc/self/mem", link)
-    f = imagefolder._listed(str(link), 0)
+    f = imagefolder.listed(str(link), 0)
     assert imagefolder.scan_file(f).error == f"{link}: cannot read the file (Input/output error)"
     with pytest.raises(DataError) as err:
         imagefolder.decode_chunk(imagefolder.DecodeChunk((f,), 8))
@@ -84,11 +85,11 @@ def test_an_io_error_reading_an_image_is_one_line_and_not_lost_work(tmp_path):
 def test_out_of_memory_while_decoding_names_the_options(tmp_path, monkeypatch):
     path = tmp_path / "a.png"
     Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(path)
-    f = imagefolder._listed(str(path), 0)
+    f = imagefolder.listed(str(path), 0)
 
     def no_memory(*args, **kwargs):
         raise MemoryError()
-    monkeypatch.setattr(imagefolder, "decode_file", no_memory)
+    monkeypatch.setattr(decode, "decode_file", no_memory)  # where decode_chunk finds it
     with pytest.raises(DataError, match=rf"out of memory decoding 1 images at 16x16 \(at "
                                         rf".*a.png\): lower --image-size, data.decode_chunk or "
                                         r"data.max_pixels"):

@@ -14,8 +14,7 @@ from pipeline.core.errors import DataError
 from pipeline.data import datasets as data
 from pipeline.data import imagefolder
 from pipeline.training.loop import train
-from tests.cli.test_bad_input import _train, scheduler  # noqa: F401 (fixture)
-from tests.helpers import make_config
+from tests.helpers import assert_train_refused, make_config
 from tests.images import write_folder, write_tiny_imagenet
 
 
@@ -92,12 +91,13 @@ def test_class_name_lists(tmp_path):
 
 
 def test_unknown_val_class_name_is_one_line_and_exit_2(tiny, tmp_path, capsys,
-                                                       scheduler):  # noqa: F811
+                                                       scheduler):
     bad = tmp_path / "val_annotations.txt"
     bad.write_text((tiny / "val" / "val_annotations.txt").read_text() + "val_0.JPEG\tn0999\n")
-    line = _train(capsys, "--data", str(tiny / "train"), "--val-data", str(bad), "--image-root",
-                  str(tiny / "val" / "images"), "--image-size", "16", "--strategy", "single",
-                  "--no-progress", "--scheduler", scheduler, out=tmp_path / "out")
+    line = assert_train_refused(capsys, "--data", str(tiny / "train"), "--val-data", str(bad),
+                                "--image-root", str(tiny / "val" / "images"), "--image-size",
+                                "16", "--strategy", "single", "--no-progress", "--scheduler",
+                                scheduler, out=tmp_path / "out")
     assert "val_annotations.txt:7: class 'n0999' is not one of the training classes" in line
 
 

@@ -21,7 +21,7 @@ from pipeline.outputs import dashboard, live
 from pipeline.core.config import ClusterConfig
 from pipeline.training.loop import train as train_run
 from tests.clusters import ARTIFACTS, browser_skip_reason, open_dashboard
-from tests.outputs.test_live import HISTORY, history_st
+from tests.outputs.conftest import HISTORY, history_st
 
 
 # ---- events -----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ network probe). docs/reliability.md lists every case and message.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import shutil
@@ -26,29 +27,16 @@ from pipeline.cli.parser import build_parser, main
 from pipeline.cli.commands import config_from_args
 from pipeline.core.config import ClusterConfig
 from pipeline.core.errors import ResumeError
-from tests.helpers import host_state
+from tests.helpers import assert_one_error_line, host_state, tree_bytes
 
 GOOD = ["--data", "synthetic:64:16", "--model", "small-cnn", "--strategy", "ipm",
         "--replicas", "2", "--batch-size", "8", "--mix-every", "2", "--epochs", "0.5",
         "--no-progress"]
-INFO_PREFIXES = ("connected to ", "started local cluster ", "skipping checkpoint ", "resuming ",
-                 "ipm: ", "average: ", "removed ", "the new run failed")
-
-
-def _one_error_line(stderr: str) -> str:
-    lines = stderr.strip().splitlines()
-    assert lines and lines[-1].startswith("error: ") and "Traceback" not in stderr, stderr
-    return lines[-1]
-
-
-def _files(path: Path) -> dict:
-    return {str(p.relative_to(path)): (p.read_bytes() if p.is_file() else None)
-            for p in sorted(path.rglob("*"))}
-
-
-@pytest.fixture
-def scheduler(dask_client) -> str:
-    return dask_client.scheduler.address
+INFO_PREFIXES = ("output: ", "connected to ", "started local cluster ", "skipping checkpoint ",
+                 "resuming ", "ipm: ", "average: ", "removed ", "the new run failed")
+# The error line, after none but those lines (the output path, the cluster, the plan, a
+# skipped checkpoint).
+_one_error_line = functools.partial(assert_one_error_line, before=INFO_PREFIXES)
 
 
 def _train(*args, scheduler) -> int:
@@ -86,19 +74,19 @@ def _foreign(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("extra", [[], ["--overwrite"]])
 def test_a_directory_that_is_not_ours_is_never_touched(tmp_path, capsys, scheduler, extra):
     theirs = _foreign(tmp_path)
-    before = _files(theirs)
+    before = tree_bytes(theirs)
     assert _train("--out", str(theirs), *extra, scheduler=scheduler) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert f"{theirs} is not empty and holds no run of ours (no .dask-chainer-run marker)" in line
-    assert _files(theirs) == before
+    assert tree_bytes(theirs) == before
 
 
 def test_demo_refuses_a_directory_that_is_not_ours(tmp_path, capsys):
     theirs = _foreign(tmp_path)
-    before = _files(theirs)
+    before = tree_bytes(theirs)
     assert main(["demo", "--out", str(theirs)]) == 2
     assert "holds no run of ours" in _one_error_line(capsys.readouterr().err)
-    assert _files(theirs) == before
+    assert tree_bytes(theirs) == before
 
 
 def test_an_empty_directory_is_claimed_and_marked(tmp_path, scheduler):
@@ -116,13 +104,13 @@ def test_a_failed_overwrite_gives_the_old_run_back(run_copy, dask_client):
 
     def stop(line):
         raise Stop  # after the first round, before the first checkpoint
-    before = _files(run_copy)
+    before = tree_bytes(run_copy)
     args = build_parser().parse_args(["train", *GOOD, "--out", str(run_copy), "--seed", "9",
                                       "--checkpoint-every", "0"])
     log = []
     with pytest.raises(Stop):
         train(config_from_args(args), dask_client, overwrite=True, on_round=stop, log=log.append)
-    assert _files(run_copy) == before  # every byte of the old run is back, nothing new is left
+    assert tree_bytes(run_copy) == before  # every byte of the old run is back, nothing new is left
     assert any("is back in" in x for x in log)
 
 
@@ -137,13 +125,13 @@ def test_an_overwrite_replaces_the_old_run_once_the_new_one_has_a_checkpoint(run
 
 
 def test_an_overwrite_killed_midway_is_settled_by_the_next_command(run_copy):
-    before = _files(run_copy)
+    before = tree_bytes(run_copy)
     names = outputs.RUN_FILES + outputs.RUN_DIRS
     rundir.set_aside(run_copy, names)  # what --overwrite does first; then it is killed ...
     (run_copy / "config.json").write_text("{}")  # ... having written a little of the new run
     (run_copy / "metrics.jsonl").write_text('{"round": 0}\n')
     rundir.settle(run_copy)
-    assert _files(run_copy) == before
+    assert tree_bytes(run_copy) == before
     rundir.set_aside(run_copy, names)  # killed again, but after the new run's first checkpoint
     checkpoint.save(run_copy, HostState(0, [{"w": np.ones(2)}], [None], None), {}, {})
     rundir.settle(run_copy)
@@ -251,10 +239,10 @@ def test_config_json_of_the_wrong_type_is_one_line(run_copy, scheduler, capsys, 
     saved = json.loads((run_copy / "config.json").read_text())
     changed = damage(saved)
     (run_copy / "config.json").write_text(json.dumps(saved if changed is None else changed))
-    before = _files(run_copy)
+    before = tree_bytes(run_copy)
     assert main(["train", "--resume", str(run_copy), "--scheduler", scheduler]) == 2
     assert message in _one_error_line(capsys.readouterr().err)
-    assert _files(run_copy) == before
+    assert tree_bytes(run_copy) == before
 
 
 @pytest.mark.timeout(60)
@@ -439,12 +427,12 @@ def test_the_demo_touches_the_network_only_when_asked(monkeypatch, tmp_path):
 def test_synth_never_replaces_a_file(tmp_path, capsys):
     assert main(["synth", "--out", str(tmp_path), "--train", "10", "--test", "5", "--tar"]) == 0
     capsys.readouterr()
-    before = _files(tmp_path)
+    before = tree_bytes(tmp_path)
     assert main(["synth", "--out", str(tmp_path), "--train", "10", "--test", "5", "--seed",
                  "1"]) == 2
     assert "already exists; writing a dataset never replaces files" in _one_error_line(
         capsys.readouterr().err)
-    assert _files(tmp_path) == before
+    assert tree_bytes(tmp_path) == before
 
 
 # --- hostile input, round three: nothing a run writes leaves OUT --------------------------------
@@ -459,13 +447,13 @@ def test_a_link_in_the_run_directory_is_refused_before_anything_is_written(run_c
     if name == "checkpoints":
         shutil.move(run_copy / name, target)
     os.symlink(target, run_copy / name)
-    before = _files(run_copy)
+    before = tree_bytes(run_copy)
     assert main(["train", "--resume", str(run_copy), "--epochs", "2", "--tensorboard", "--csv",
                  "--scheduler", scheduler]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert line == (f"error: {run_copy / name}: is a symbolic link; a run writes only inside its "
                     "directory (remove the link)")
-    assert _files(run_copy) == before
+    assert tree_bytes(run_copy) == before
     assert not target.exists() or name == "checkpoints"
 
 

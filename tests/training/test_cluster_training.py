@@ -1,14 +1,12 @@
 """Training through hand-started clusters, as docs/cluster.md tells users to start them: a real
 `dask scheduler` and two `dask worker --resources CPU=1` processes, in plain TCP and in TLS, driven
 by the CLI in its own process. Same seed, same weights as on an embedded LocalCluster."""
-import os
 import subprocess
-import sys
 
-import numpy as np
 import pytest
 
-from tests.clusters import REPO, make_tls, subprocess_cluster
+from tests.clusters import make_tls, subprocess_cluster
+from tests.helpers import assert_same_bits, run_cli, saved_weights
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -18,16 +16,7 @@ ARGS = ["--data", "synthetic:256:64", "--model", "small-cnn", "--strategy", "ipm
 
 
 def _train(out, *extra) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("DASK_SCHEDULER_ADDRESS", None)
-    return subprocess.run([sys.executable, "-m", "pipeline", "train", *ARGS, "--out", str(out),
-                           *extra], capture_output=True, text=True, timeout=240, env=env,
-                          cwd=REPO)
-
-
-def _weights(out) -> dict:
-    with np.load(out / "model.npz") as z:
-        return {k: z[k] for k in z.files}
+    return run_cli("train", *ARGS, "--out", str(out), *extra, timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +24,7 @@ def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("embedded") / "run"
     done = _train(out, "--workers", "1")
     assert done.returncode == 0, done.stderr
-    return _weights(out)
+    return saved_weights(out)
 
 
 def test_train_through_scheduler_and_two_workers(tmp_path, reference):
@@ -43,8 +32,8 @@ def test_train_through_scheduler_and_two_workers(tmp_path, reference):
         done = _train(tmp_path / "run", "--scheduler", cluster.address)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1].startswith("done: ")
-    weights = _weights(tmp_path / "run")
-    assert all(weights[k].tobytes() == reference[k].tobytes() for k in reference)
+    weights = saved_weights(tmp_path / "run")
+    assert_same_bits(weights, reference)
 
 
 def test_train_through_tls_cluster(tmp_path, reference):
@@ -56,8 +45,8 @@ def test_train_through_tls_cluster(tmp_path, reference):
         refused = _train(tmp_path / "refused", "--scheduler",
                          cluster.address.replace("tls://", "tcp://"))
     assert done.returncode == 0, done.stderr
-    weights = _weights(tmp_path / "run")
-    assert all(weights[k].tobytes() == reference[k].tobytes() for k in reference)
+    weights = saved_weights(tmp_path / "run")
+    assert_same_bits(weights, reference)
     assert refused.returncode == 2
     assert refused.stderr.strip().count("\n") == 0 and "cannot reach scheduler" in refused.stderr
     assert "Traceback" not in refused.stderr

@@ -14,7 +14,7 @@ from pipeline.training import extensions as ext
 from pipeline.training.attempt import Attempt, Pending
 from pipeline.training.loop import train
 from pipeline.training.triggers import Schedule
-from tests.helpers import make_config
+from tests.helpers import assert_same_bits, make_config
 
 
 def _round(index: int) -> Round:
@@ -248,4 +248,4 @@ def test_a_stop_right_after_an_anchor_saves_the_checkpoint_it_announces(tmp_path
     assert (tmp_path / "run" / "checkpoints" / "round-000001").is_dir()
     resumed = train(config, dask_client, resume=True, log=lambda message: None)
     whole = train(config.replace(out=None), dask_client, log=lambda message: None)
-    assert all(resumed.params[k].tobytes() == whole.params[k].tobytes() for k in whole.params)
+    assert_same_bits(resumed.params, whole.params)

@@ -14,7 +14,6 @@ import os
 import shutil
 import signal
 import subprocess
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -26,14 +25,11 @@ from pipeline.outputs import fs as rundir
 from pipeline.training import tasks
 from pipeline.cli.parser import build_parser
 from pipeline.cli.commands import config_from_args
-from pipeline.backends.chainer.compat import serializers
 from pipeline.core.errors import ClusterError, DivergenceError
-from pipeline.backends.chainer.models import build_model
-from pipeline.backends.chainer.state import get_state
 from pipeline.training.loop import train
-from tests.clusters import subprocess_cluster
+from tests.clusters import Killer, subprocess_cluster
 from tests.clusters import train_cli as _cli
-from tests.helpers import assert_same_bits
+from tests.helpers import assert_same_bits, loaded_weights, wait_for_lines
 
 # 256 images, K=3 replicas of batch 8: 10 steps per epoch; H=1: 20 rounds in 2 epochs. The CLI
 # runs checkpoint every 10 rounds (the default: rounds 9 and 19), the in-process ones every 4
@@ -57,12 +53,6 @@ def reference(dask_client):
     return train(_config(), client=dask_client).params
 
 
-def _saved_weights(out: Path) -> dict:
-    model = build_model("small-cnn")
-    serializers.load_npz(str(out / "model.npz"), model)  # what a user loads
-    return get_state(model)
-
-
 def _metric_rounds(out: Path) -> list[int]:
     return [json.loads(x)["round"] for x in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -72,54 +62,10 @@ def _on_cluster(cluster, out, **changes) -> Config:
                            "cluster.connect_timeout": 5.0, **changes})
 
 
-class _Killer:
-    """Kills workers mid-round: when round ``after`` is reported, a thread waits until worker
-    ``index`` is busy with a ``stage`` task of a later round and SIGKILLs it (and its nanny)."""
-
-    def __init__(self, cluster, plan: dict[int, int], stage: str = "train",
-                 holding: bool = False):
-        """``holding``: a worker that holds any result counts as busy too (async's train tasks
-        are a few ms each and need not land on it: a run can end before one is seen there)."""
-        import distributed
-        self.cluster, self.plan, self.stage, self.holding = cluster, dict(plan), stage, holding
-        self.client = distributed.Client(cluster.address, set_as_default=False)
-        names = {info["name"]: addr for addr, info in
-                 self.client.scheduler_info(n_workers=-1)["workers"].items()}
-        self.address = {i: names[f"worker-{i}"] for i in plan.values()}
-        self.killed: list[tuple[int, int, str]] = []  # (worker, after round, busy key)
-        self.threads: list[threading.Thread] = []
-
-    def __call__(self, line: dict) -> None:
-        index = self.plan.pop(line["round"], None)
-        if index is not None:
-            thread = threading.Thread(target=self._kill_when_busy, args=(index, line["round"]),
-                                      daemon=True)
-            thread.start()
-            self.threads.append(thread)
-
-    def _kill_when_busy(self, index: int, after: int, timeout: float = 20.0) -> None:
-        addr, deadline = self.address[index], time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            busy = [k for k in self.client.processing(workers=[addr]).get(addr, ())
-                    if str(k).startswith(f"('{self.stage}-")]
-            if self.holding and not busy:  # anything it holds is lost with it
-                busy = list(self.client.has_what(workers=[addr]).get(addr, ()))
-            if busy:
-                self.cluster.kill_worker(index)
-                self.killed.append((index, after, str(busy[0])))
-                return
-            time.sleep(0.002)
-
-    def close(self) -> None:
-        for thread in self.threads:
-            thread.join(30)
-        self.client.close()
-
-
 def _train_with_kills(tmp_path, plan: dict[int, int], n_workers: int = 3):
     lines = []
     with subprocess_cluster(n_workers, resources={"CPU": 1}) as cluster:
-        killer = _Killer(cluster, plan)
+        killer = Killer(cluster, plan)
         try:
             result = train(_on_cluster(cluster, tmp_path), log=lines.append, on_round=killer)
         finally:
@@ -135,7 +81,7 @@ def test_worker_killed_mid_round_finishes_with_identical_weights(tmp_path, refer
     result, killed, log, alive = _train_with_kills(tmp_path, {5: 0})
     assert alive == [False, True, True]
     assert_same_bits(result.params, reference, (killed, log))
-    assert_same_bits(_saved_weights(tmp_path), reference)
+    assert_same_bits(loaded_weights(tmp_path), reference)
     assert _metric_rounds(tmp_path) == list(range(ROUNDS))  # replayed rounds reported once
     assert [x["round"] for x in result.history] == list(range(ROUNDS))
     assert len(_replays(log)) <= 1, log  # one replay at most (none if lineage sufficed)
@@ -192,7 +138,7 @@ def test_two_workers_lost_one_after_the_other(tmp_path, reference):
 @pytest.mark.cluster
 def test_all_workers_lost_stops_with_one_line(tmp_path):
     with subprocess_cluster(1, resources={"CPU": 1}) as cluster:
-        killer = _Killer(cluster, {5: 0})
+        killer = Killer(cluster, {5: 0})
         try:
             with pytest.raises(ClusterError) as err:
                 train(_on_cluster(cluster, tmp_path), on_round=killer, log=lambda _: None)
@@ -239,19 +185,6 @@ def test_lost_work_again_and_again_gives_up_with_one_line(tmp_path, dask_client,
 # --- the driver and the scheduler ---------------------------------------------------------------
 
 
-def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and len(path.read_text().splitlines()) >= n:
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended early ({proc.returncode}):\n"
-                                 f"{proc.communicate()[1][-3000:]}")
-        time.sleep(0.02)
-    proc.kill()
-    raise AssertionError(f"{path} did not reach {n} lines in {timeout:g} s")
-
-
 def _finish(proc: subprocess.Popen, timeout: float = 120.0) -> tuple[int, str, str]:
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
@@ -262,7 +195,7 @@ def test_driver_killed_mid_run_resumes_to_identical_weights(tmp_path, reference)
     out = tmp_path / "run"
     with subprocess_cluster(2, resources={"CPU": 1}) as cluster:
         driver = _cli(*ARGS, "--scheduler", cluster.address, "--out", str(out))
-        _wait_for_lines(out / "metrics.jsonl", 12, driver)  # round 9 is checkpointed by now
+        wait_for_lines(out / "metrics.jsonl", 12, driver)  # round 9 is checkpointed by now
         os.killpg(driver.pid, signal.SIGKILL)
         driver.wait(10)
         assert driver.returncode == -signal.SIGKILL
@@ -271,7 +204,7 @@ def test_driver_killed_mid_run_resumes_to_identical_weights(tmp_path, reference)
         code, stdout, stderr = _finish(resumed)
     assert code == 0, stderr
     assert "resuming" in stderr and stdout.startswith(f"done: {ROUNDS} rounds")
-    assert_same_bits(_saved_weights(out), reference)
+    assert_same_bits(loaded_weights(out), reference)
     assert _metric_rounds(out) == list(range(ROUNDS))
     assert not [p for p in out.rglob(".*") if p.name.endswith(".tmp")]  # no half-written files
 
@@ -281,7 +214,7 @@ def test_scheduler_lost_stops_with_one_line_and_resumes(tmp_path, reference):
     out = tmp_path / "run"
     with subprocess_cluster(2, resources={"CPU": 1}) as cluster:
         driver = _cli(*ARGS, "--scheduler", cluster.address, "--out", str(out))
-        _wait_for_lines(out / "metrics.jsonl", 12, driver)
+        wait_for_lines(out / "metrics.jsonl", 12, driver)
         started = time.monotonic()
         os.killpg(cluster.scheduler.pid, signal.SIGKILL)
         code, stdout, stderr = _finish(driver, timeout=60)
@@ -298,7 +231,7 @@ def test_scheduler_lost_stops_with_one_line_and_resumes(tmp_path, reference):
     with subprocess_cluster(2, resources={"CPU": 1}) as fresh:
         code, stdout, stderr = _finish(_cli("--resume", str(out), "--scheduler", fresh.address))
     assert code == 0, stderr
-    assert_same_bits(_saved_weights(out), reference)
+    assert_same_bits(loaded_weights(out), reference)
     assert _metric_rounds(out) == list(range(ROUNDS))
 
 
@@ -538,7 +471,7 @@ def test_async_lost_worker(tmp_path, dask_client, order):
     changes = {**ASYNC, "asynchronous.order": order}
     lines = []
     with subprocess_cluster(3, resources={"CPU": 1}) as cluster:
-        killer = _Killer(cluster, {4: 0}, holding=True)
+        killer = Killer(cluster, {4: 0}, holding=True)
         try:
             result = train(_on_cluster(cluster, tmp_path, **changes), log=lines.append,
                            on_round=killer)

@@ -13,8 +13,8 @@ import pytest
 from pipeline.cli.parser import main
 from pipeline.data import imagefolder
 from pipeline.outputs import fs
-from tests.cli.test_bad_input import _train, scheduler  # noqa: F401 (fixture)
 from tests.images import write_folder
+from tests.helpers import assert_train_refused
 
 ARGS = ["--image-size", "16", "--model", "small-cnn", "--strategy", "single", "--batch-size", "4",
         "--epochs", "0.5", "--no-progress"]
@@ -35,14 +35,14 @@ def good(tmp_path_factory) -> Path:
                "'class_0/img_000.jpg \u00b2'"),
     ("+-1", "train.txt:17: expected 'path label' with an integer label"),
 ])
-def test_a_label_is_bounded_before_anything_is_sized_by_it(good, tmp_path, capsys, scheduler,  # noqa: F811
+def test_a_label_is_bounded_before_anything_is_sized_by_it(good, tmp_path, capsys, scheduler,
                                                            label, expected):
     lst = tmp_path / "train.txt"
     lst.write_text(LIST + f"class_0/img_000.jpg {label}\n")
     tracemalloc.start()
     try:
-        line = _train(capsys, "--data", str(lst), "--image-root", str(good), *ARGS,
-                      "--scheduler", scheduler, out=tmp_path / "out")
+        line = assert_train_refused(capsys, "--data", str(lst), "--image-root", str(good),
+                                    *ARGS, "--scheduler", scheduler, out=tmp_path / "out")
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -129,7 +129,7 @@ def test_an_out_inside_the_image_folder_is_not_read_as_a_class(good, tmp_path, d
                  dask_client.scheduler.address]) == 0, capsys.readouterr().err
 
 
-def test_a_task_out_of_memory_names_the_options_that_size_it(tmp_path, capsys, scheduler,  # noqa: F811
+def test_a_task_out_of_memory_names_the_options_that_size_it(tmp_path, capsys, scheduler,
                                                              monkeypatch):
     """What --image-size 1024 on resnet20 did on a small worker: MemoryError inside the train
     task. Now one line naming --image-size and --batch-size, exit 2, no traceback."""
@@ -149,7 +149,7 @@ def test_a_task_out_of_memory_names_the_options_that_size_it(tmp_path, capsys, s
 
 
 def test_a_worker_result_of_the_wrong_form_is_one_line_naming_the_worker(tmp_path, capsys,
-                                                                        scheduler, monkeypatch):  # noqa: F811
+                                                                        scheduler, monkeypatch):
     """A worker of another version (or a hostile one) returning metrics the driver cannot use:
     one line naming the worker and what it returned, never a KeyError."""
     from pipeline.backends.chainer.backend import ChainerBackend

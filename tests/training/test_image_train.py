@@ -14,8 +14,7 @@ from pipeline.cli.parser import main
 from pipeline.core.config import Config
 from pipeline.training.loop import train
 from tests.images import png_header_only, write_folder, write_list, write_split_folder
-from tests.cli.test_bad_input import _train, scheduler  # noqa: F401 (fixture)
-from tests.helpers import make_config
+from tests.helpers import assert_same_bits, assert_train_refused, make_config
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +82,7 @@ BAD = [
      "image files: .jpg"),
     ("text named .jpg", lambda r, t: (r / "class_1" / "x.jpg").write_text("hi") and str(r),
      "x.jpg: not an image Pillow can read"),
-    ("FIFO", _fifo, "pipe.jpg: not a regular file (a FIFO)"),
+    ("FIFO", _fifo, "pipe.jpg: is a FIFO (named pipe), expected a regular file"),
     ("pixel cap", lambda r, t: png_header_only(r / "class_0" / "big.png", 9000, 9000)
      and str(r), "big.png: 9000x9000 = 81000000 pixels, more than the cap of 67108864"),
     ("decompression bomb", lambda r, t: png_header_only(r / "class_0" / "bomb.png", 20000, 20000)
@@ -108,26 +107,28 @@ BAD = [
 
 
 @pytest.mark.parametrize("damage, expected", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
-def test_bad_image_data_is_one_line_and_exit_2(good, tmp_path, capsys, scheduler, damage,  # noqa: F811
+def test_bad_image_data_is_one_line_and_exit_2(good, tmp_path, capsys, scheduler, damage,
                                               expected):
     source = damage(_copy(good, tmp_path), tmp_path)
     if source.endswith(".txt"):
         source_args = ["--data", source, "--image-root", str(tmp_path / "data")]
     else:
         source_args = ["--data", source]
-    line = _train(capsys, *source_args, "--image-size", "16", "--model", "small-cnn",
-                  "--strategy", "single", "--batch-size", "4", "--epochs", "0.5",
-                  "--no-progress", "--scheduler", scheduler, out=tmp_path / "out")
+    line = assert_train_refused(capsys, *source_args, "--image-size", "16", "--model",
+                                "small-cnn", "--strategy", "single", "--batch-size", "4",
+                                "--epochs", "0.5", "--no-progress", "--scheduler", scheduler,
+                                out=tmp_path / "out")
     assert expected in line, line
 
 
-def test_val_list_label_out_of_range(good, tmp_path, capsys, scheduler):  # noqa: F811
+def test_val_list_label_out_of_range(good, tmp_path, capsys, scheduler):
     train_list = _list(good, tmp_path, GOOD_LIST)
     val = tmp_path / "val.txt"
     val.write_text("class_0/img_000.jpg 0\nclass_1/img_000.jpg 2\n")
-    line = _train(capsys, "--data", train_list, "--val-data", str(val), "--image-root", str(good),
-                  "--image-size", "16", "--strategy", "single", "--batch-size", "4",
-                  "--no-progress", "--scheduler", scheduler, out=tmp_path / "out")
+    line = assert_train_refused(capsys, "--data", train_list, "--val-data", str(val),
+                                "--image-root", str(good), "--image-size", "16", "--strategy",
+                                "single", "--batch-size", "4", "--no-progress", "--scheduler",
+                                scheduler, out=tmp_path / "out")
     assert "val.txt:2: label 2 is out of range (labels are 0..1)" in line, line
 
 
@@ -152,7 +153,7 @@ def test_decoding_each_round_gives_the_cached_run_byte_for_byte(tmp_path, dask_c
     assert any("cached on the workers (data.cache on)" in m for m in logs["on"])
     assert any("decoded again every epoch (data.cache off)" in m for m in logs["off"])
     a, b = runs["on"].params, runs["off"].params
-    assert sorted(a) == sorted(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
+    assert_same_bits(a, b)
     assert runs["off"].history[0]["stage_seconds"]["decode"] > 0
     assert "decode" not in runs["on"].history[0]["stage_seconds"]
 

@@ -11,7 +11,7 @@ from pipeline.core import keys
 from pipeline.core.config import Config
 from pipeline.training.loop import train
 from tests.images import write_folder
-from tests.helpers import make_config
+from tests.helpers import assert_same_bits, make_config
 
 
 BASE = {"data.image_size": 32, "data.cache": "off",
@@ -35,7 +35,7 @@ class _Spy:
         pass
 
     def close(self):
-        from pipeline.cluster.connection import worker_resources
+        from pipeline.cluster.resources import worker_resources
         self.resources = worker_resources(self.client)
         self.stages: dict[str, set] = {}
         for rec in self.client.get_task_stream():
@@ -65,7 +65,7 @@ def test_loader_workers_load_trainers_train_and_the_bytes_stay(tmp_path, dask_cl
     assert any("train-/evaluate- tasks on the workers advertising TRAIN, decode-/augment- on "
                "those advertising CPU" in m for m in lines)
     a, b = split.params, plain.params
-    assert sorted(a) == sorted(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
+    assert_same_bits(a, b)
     assert split.history[-1]["test_acc"] == plain.history[-1]["test_acc"]
 
 
@@ -98,7 +98,7 @@ def test_beside_loaders_each_replica_stays_on_its_ranked_training_worker(tmp_pat
     assert len(spy.ranks) == 2 * len(split.history) > 8
     assert all(rank == f"RANK-{k}" for (_, k), rank in spy.ranks.items()), spy.ranks
     a, b = split.params, plain.params
-    assert sorted(a) == sorted(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
+    assert_same_bits(a, b)
 
 
 class _Workers:
@@ -176,7 +176,7 @@ class _KillTrainer(_Spy):
     def __call__(self, line):
         import os
         import signal
-        from pipeline.cluster.connection import worker_resources
+        from pipeline.cluster.resources import worker_resources
         if line["round"] != 0:
             return
         roles = worker_resources(self.client)
@@ -198,7 +198,7 @@ def test_a_lost_training_worker_is_waited_for_and_the_bytes_stay(tmp_path, dask_
     assert spy.killed and len(split.history) == len(plain.history) > 2
     assert len(spy.stages["train"]) == 2 and spy.loader not in spy.stages["train"], (lines, spy.resources, spy.stages)  # old, new
     a, b = split.params, plain.params
-    assert all(a[k].tobytes() == b[k].tobytes() for k in a), lines
+    assert_same_bits(a, b, lines)
 
 
 @pytest.mark.parametrize("device", ["cpu", "gpu"])
@@ -206,7 +206,7 @@ def test_a_replay_without_training_workers(monkeypatch, device):
     """CPU runs go on on the workers left (as they would have started); GPU runs stop."""
     from types import SimpleNamespace
 
-    from pipeline.cluster import connection as cluster
+    from pipeline.cluster import resources
     from pipeline.training import recovery
     from pipeline.core.errors import ClusterError
 
@@ -214,8 +214,8 @@ def test_a_replay_without_training_workers(monkeypatch, device):
         assert wait  # an embedded cluster's nanny restarts a lost worker: wait for it
         raise ClusterError(f"no worker advertises resource {name!r}")
 
-    monkeypatch.setattr(cluster, "require_workers", lambda client, n, timeout: None)
-    monkeypatch.setattr(cluster, "require_resource", missing)
+    monkeypatch.setattr(resources, "require_workers", lambda client, n, timeout: None)
+    monkeypatch.setattr(resources, "require_resource", missing)
     lines = []
     name = "TRAIN" if device == "cpu" else "GPU"
     graph = SimpleNamespace(device=device, train_resources={name: 1})

@@ -177,13 +177,13 @@ def test_a_worker_lost_mid_round_on_an_external_cluster_replays_to_the_same_bits
     factory travels by value; one of them is killed mid-round and the replay gives the
     uninterrupted run's weights."""
     from tests.clusters import subprocess_cluster
-    from tests.training.test_faults import _Killer
+    from tests.clusters import Killer
     cfg = make_config(BASE, **{"train.strategy": "ipm", "train.replicas": 3,
                                "average.mix_every": "2", "train.epochs": 3,
                                "cluster.connect_timeout": 5.0})
     reference = train(cfg, client=dask_client, model=user_module.Net).params
     with subprocess_cluster(3, resources={"CPU": 1}) as cluster:
-        killer = _Killer(cluster, {1: 1})
+        killer = Killer(cluster, {1: 1})
         try:
             result = train(cfg.replace(**{"cluster.scheduler": cluster.address}),
                            model=user_module.Net, on_round=killer, log=lambda line: None)

@@ -21,7 +21,7 @@ from typing import NamedTuple
 from pipeline.averaging import cost as scaling
 from pipeline.averaging.algorithms import hierarchical, sharded, tree
 from pipeline.averaging.algorithms.base import Context
-from pipeline.core.config import AVERAGE_ALGORITHMS
+from pipeline.core.config_train import AVERAGE_ALGORITHMS
 from pipeline.averaging.placement import Placement, place
 
 ALGORITHMS = {"tree": tree, "sharded": sharded, "hierarchical": hierarchical}
@@ -101,7 +101,7 @@ def plan(client, cfg, replicas: int, state_bytes: float | None = None,
     get(name)
     where = f"{replicas} replica(s) on {placement.n_hosts} host(s)"
     if name == "tree" and placement.n_hosts == 1:
-        placement = None  # the tree as it always ran on one machine: Dask places everything
+        placement = None  # one machine: Dask places the tree's nodes, no bytes cross hosts
     shards = f", {n_shards} shard(s)" if name != "tree" else ""
     return Plan(name, placement, n_shards, f"{name}, {where}{shards}{f' ({why})' if why else ''}")
 

@@ -25,7 +25,7 @@ class Context(NamedTuple):
     token: str  # the run token (8 hex digits)
     coords: tuple  # (round,)
     fan_in: int  # of the fixed addition order (reduce_order.build)
-    placement: Placement | None  # None: one host, nothing pinned (the tree as it always was)
+    placement: Placement | None  # None: one host and the tree; Dask places its nodes
     shards: int  # S of the sharded algorithms
     replicas: int  # K
     prepare: Callable | None = None  # payload -> the state dict to average, run where the

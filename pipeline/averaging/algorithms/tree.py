@@ -1,9 +1,10 @@
 """``tree``: the replicas' states added up a tree of ``average-`` tasks (fan-in ``fan_in``), the
-mean broadcast back. On one host every replica reads the root's result (Dask fetches it, as it
-always did); with pinned replicas the nodes run on their first replica's worker there too, so the
-root is next to replica 0 (unpinned, Dask put it on replica 1's worker in about half the rounds
-and the mean then moved once more, 67 MB for cifar10-2015 with Adam, to replica 0's outer step); across hosts the tree's nodes run on their first replica's worker and the mean
-travels host to host by doubling (``base.binomial_broadcast``), one copy per host.
+mean broadcast back. On one host every replica reads the root's result (Dask fetches it where
+it is read); with pinned replicas the nodes run on their first replica's worker there too, so the
+root is next to replica 0 (unpinned, Dask puts it on replica 1's worker in about half the rounds,
+and the mean moves once more, 67 MB for cifar10-2015 with Adam, to replica 0's outer step).
+Across hosts the tree's nodes run on their first replica's worker and the mean travels host to
+host by doubling (``base.binomial_broadcast``), one copy per host.
 
 The busiest link carries ``(f-1)`` states per level plus ``ceil(log2 H)`` copies: fine for
 small states, the bottleneck for large ones (``pipeline.averaging.cost``).

@@ -31,6 +31,8 @@ import warnings
 
 import numpy as np
 
+from pipeline.core.errors import one_line
+
 _LEGACY_SCTYPES = {
     "int": [np.int8, np.int16, np.int32, np.int64],
     "uint": [np.uint8, np.uint16, np.uint32, np.uint64],
@@ -183,7 +185,7 @@ def _patch_load_npz_without_pickles() -> None:
     Chainer 7.8.1 opens every ``.npz`` with ``allow_pickle=True``: an object array in the file, or
     a bare pickle given the name ``.npz``, runs code when loaded (docs/reliability.md,
     Hardening 1). Weights are plain numeric arrays, so nothing a real weights file holds is lost;
-    a pickled member now raises numpy's ``ValueError`` instead. Our own reader
+    a pickled member raises numpy's ``ValueError``. Our own reader
     (``pipeline.backends.chainer.state.load_npz``) also checks names, shapes and sizes before reading.
     """
     import numpy
@@ -220,7 +222,7 @@ def cuda_status(check_device: bool = False) -> str | None:
         if isinstance(error, ModuleNotFoundError) and error.name == "cupy":
             return ("CuPy is not installed (pip install 'cupy-cuda13x[ctk]' or 'cupy-cuda12x[ctk]', "
                     "matching the CUDA driver)")
-        detail = " ".join(str(error).split()) or type(error).__name__
+        detail = one_line(error, kind=False)
         package = packages[0] if packages else "cupy-cuda13x"
         hint = (f"; install the CUDA libraries too: pip install '{package}[ctk]' (or the CUDA "
                 f"toolkit)" if "libcublas" in detail or "Failure finding" in detail else "")
@@ -229,7 +231,7 @@ def cuda_status(check_device: bool = False) -> str | None:
         try:
             count = cuda.cupy.cuda.runtime.getDeviceCount()
         except Exception as exc:
-            return f"CuPy sees no usable CUDA device: {' '.join(str(exc).split())[:300]}"
+            return f"CuPy sees no usable CUDA device: {one_line(exc, kind=False, limit=300)}"
         if count < 1:
             return "CuPy sees no CUDA device"
     return None

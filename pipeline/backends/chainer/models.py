@@ -40,7 +40,9 @@ def _dropout(x, ratio: float, rng: np.random.Generator | None):
 
 
 class Cifar2015(chainer.Chain):
-    """Seed 000's CIFAR-10 net (mitmul's models/Cifar10.py) ported to Chainer 7.
+    """The CIFAR-10 net of mitmul's chainer-cifar10 (github.com/mitmul/chainer-cifar10,
+    ``models/Cifar10.py``, 2015) ported to Chainer 7, with spatial pyramid pooling (He et al.,
+    "Spatial Pyramid Pooling in Deep Convolutional Networks", 2014).
 
     conv 5x5 32-32-64 with 3x3/2 max-pools, spatial pyramid pooling (height 3: 64 x (1+4+16) =
     1344 features), fc 4096 with dropout 0.5, fc classes. 5.6 M parameters, 22 MB in float32.

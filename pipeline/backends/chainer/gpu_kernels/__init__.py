@@ -57,10 +57,6 @@ def use_cudnn(x) -> bool:
     return wanted(x) and graphs.load() is not None
 
 
-def _will_backprop() -> bool:
-    return bool(chainer.config.train and chainer.config.enable_backprop)
-
-
 def convolution_2d(x, w, b=None, stride=1, pad=0):
     """``F.convolution_2d`` (dilate 1, groups 1) on cuDNN, or None where cuDNN cannot run it."""
     xa = x.array if isinstance(x, chainer.Variable) else x

@@ -23,6 +23,8 @@ import sys
 import threading
 from typing import NamedTuple
 
+from pipeline.core.errors import one_line
+
 log = logging.getLogger("pipeline.gpu_kernels")
 
 _LOAD = {"tried": False, "module": None, "reason": None}
@@ -76,7 +78,7 @@ def load():
             log.info("cuDNN %s through nvidia-cudnn-frontend %s", version,
                      getattr(cudnn, "__version__", "?"))
         except Exception as exc:  # ImportError, OSError from dlopen, RuntimeError from the shim
-            _LOAD["reason"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+            _LOAD["reason"] = one_line(exc, limit=240)
             log.warning("cuDNN graphs unavailable (%s); convolutions and BatchNorm on CuPy use "
                         "Chainer's functions (pip install '.[cudnn]')", _LOAD["reason"])
         _LOAD["tried"] = True
@@ -332,7 +334,7 @@ def get(key: Key, **params) -> Built | None:
             _smoke(cache[full_key], key)
         except Exception as exc:  # cudnnGraphNotSupportedError, a build or a first-run failure
             cache[full_key] = None
-            reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+            reason = one_line(exc, limit=340)
             if len(errors) < 50:
                 errors[str(key)] = reason
             # one warning a process; the rest (e.g. every BatchNorm shape) at debug level

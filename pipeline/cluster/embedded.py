@@ -1,0 +1,201 @@
+"""The embedded cluster: a LocalCluster, or beside GPUs and loader workers a SpecCluster of
+unlike workers (CPU, loader, one GPU worker per device, ranks), sized to what the machine holds,
+closed quietly."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import warnings
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import dask
+import distributed
+from dask.system import CPU_COUNT
+
+from pipeline.cluster.resources import EMBEDDED, rank_resource
+from pipeline.core.config_cluster import ClusterConfig
+from pipeline.core.errors import ClusterError, one_line
+
+
+class Roles(NamedTuple):
+    """The resources an embedded cluster's CPU workers advertise: `load` (decode-/augment-
+    tasks ask for it: `augment.resource`) and, beside loader workers, `train` (CPU train- and
+    evaluate- tasks ask for it: `train.cpu_resource`)."""
+    load: str = "CPU"
+    train: str = "TRAIN"
+
+
+def default_workers(threads_per_worker: int, gpu_workers: int = 0, loader_workers: int = 0) -> int:
+    """Embedded CPU worker processes that fill the cores (affinity and cgroup aware) left over
+    after one core per GPU worker and per loader worker.
+
+    >>> default_workers(10**6)
+    1
+    """
+    return max(1, (CPU_COUNT - gpu_workers - loader_workers) // threads_per_worker)
+
+
+def local_gpus() -> list[str]:
+    """CUDA device ids an embedded cluster can give one GPU worker each; [] without GPUs.
+
+    The entries of $CUDA_VISIBLE_DEVICES when it is set, else the indices `nvidia-smi -L` lists.
+    Runs no CUDA code: a CUDA context in the driver would hold GPU memory for the whole run.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d.strip() for d in visible.split(",") if d.strip() and d.strip() != "-1"]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):  # no driver, or a hung one
+        return []
+    lines = out.stdout.splitlines() if out.returncode == 0 else []
+    return [str(i) for i, _ in enumerate(line for line in lines if line.startswith("GPU "))]
+
+
+@contextlib.contextmanager
+def embedded_cluster(cfg: ClusterConfig, gpus: list[str],
+                      roles: Roles) -> Iterator[distributed.Client]:
+    from pipeline.cluster.blas import environ_kept
+    with environ_kept():  # the nannies (in this process) set the kernel of --blas-kernel here
+        try:
+            cluster = _start_embedded(cfg, gpus, roles)
+        except RuntimeError as exc:  # "Nanny failed to start": the worker processes died
+            raise ClusterError(f"could not start the local cluster's worker processes: "
+                               f"{one_line(exc, kind=False)} (a script that starts one needs "
+                               f"`if __name__ == '__main__':` around it)") from exc
+        EMBEDDED.add(cluster)
+        # Client before cluster on the way out: the reverse order logs CommClosedError tracebacks.
+        with _quiet_close(), cluster, distributed.Client(cluster) as client:
+            yield client
+
+
+class _SlowExitFilter(logging.Filter):
+    """Drops the nanny's "Worker process still alive after 4.0 seconds, killing" while our own
+    cluster closes: on a busy machine a worker takes longer to exit, and killing it then is the
+    plan, not news (unfiltered, it prints after the run's last line)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Worker process still alive after")
+
+
+@contextlib.contextmanager
+def _quiet_close() -> Iterator[None]:
+    nanny, quiet = logging.getLogger("distributed.nanny"), _SlowExitFilter()
+    nanny.addFilter(quiet)
+    try:
+        yield
+    finally:
+        nanny.removeFilter(quiet)
+
+
+def _start_embedded(cfg: ClusterConfig, gpus: list[str], roles: Roles) -> distributed.SpecCluster:
+    """The embedded cluster; its worker processes ignore SIGINT and SIGTERM (they inherit that from
+    here), so a Ctrl-C to the terminal's process group reaches only the driver, which stops the
+    run at a round boundary and then closes the workers itself."""
+    from pipeline.cluster.blas import spawn_environ
+    from pipeline.core.interrupt import signals_ignored
+    with signals_ignored(), warnings.catch_warnings(), \
+            dask.config.set(spawn_environ(cfg.blas_kernel)):  # nannies read it as they start
+        # "Port 8787 is already in use ... Hosting the HTTP server on port N instead": the
+        # summary line gives the link that was bound.
+        warnings.filterwarnings("ignore", message=".*already in use", category=UserWarning)
+        return _new_embedded(cfg, gpus, roles)
+
+
+WORKER_BYTES = 256 << 20  # an idle worker process with NumPy, Chainer and distributed: ~200 MB
+PROCESSES_PER_CORE = 4  # beyond this the workers only take turns (and each still costs memory)
+
+
+def capacity(cores: int, available: int) -> int:
+    """Worker processes a machine of ``cores`` cores and ``available`` bytes of free memory can
+    hold: at most 4 a core, and ~256 MiB each.
+
+    >>> capacity(2, 16 << 30), capacity(64, 1 << 30)
+    (8, 4)
+    """
+    return max(1, min(PROCESSES_PER_CORE * cores, available // WORKER_BYTES))
+
+
+def available_memory() -> int:
+    """Bytes of memory free for new processes (the cgroup's limit where it is lower)."""
+    import psutil
+    from distributed.system import MEMORY_LIMIT
+    return int(min(psutil.virtual_memory().available, MEMORY_LIMIT))
+
+
+def check_capacity(processes: int, cores: int = CPU_COUNT, available: int | None = None) -> None:
+    """ClusterError when the embedded cluster would start more worker processes than the machine
+    holds (:func:`capacity`), before one starts: asked for 1024 on 2 cores, processes start
+    until the kernel kills them."""
+    available = available_memory() if available is None else available
+    most = capacity(cores, available)
+    if processes > most:
+        raise ClusterError(
+            f"cluster.workers: {processes} worker processes are more than this machine holds: "
+            f"{cores} core(s) and {available / (1 << 30):.1f} GiB of free memory hold at most "
+            f"{most} (up to {PROCESSES_PER_CORE} a core, ~{WORKER_BYTES >> 20} MiB each); give "
+            f"--workers {most} or fewer, or --scheduler ADDR of a larger cluster")
+
+
+def _new_embedded(cfg: ClusterConfig, gpus: list[str], roles: Roles) -> distributed.SpecCluster:
+    threads, loaders = cfg.threads_per_worker, cfg.loader_workers
+    n_cpu = cfg.workers or default_workers(threads, len(gpus), loaders)
+    check_capacity(n_cpu + loaders + len(gpus) * cfg.gpu_workers_per_device)
+    if not gpus and not loaders:
+        return distributed.LocalCluster(
+            n_workers=n_cpu, threads_per_worker=threads, processes=True, host="127.0.0.1",
+            dashboard_address=cfg.dashboard_address, resources={roles.load: threads},
+            preload=_worker_preloads())
+    # Unlike workers: LocalCluster gives all workers the same options, SpecCluster one spec each.
+    # Beside loaders the CPU workers train, unless GPU workers do (then they load as well).
+    # The training workers are ranks (`rank_resource`): replica k's train- tasks can be held to
+    # one of them by resource, which a worker without the train resource cannot take.
+    cpu_trains = bool(loaders and not gpus)
+    cpu_role = roles.train if cpu_trains else roles.load
+    common = {"host": "127.0.0.1", "silence_logs": logging.WARN, "dashboard": False,
+              "preload": _worker_preloads()}
+    specs = {f"cpu-{i}": {"cls": distributed.Nanny, "options": {
+        **common, "nthreads": threads, "resources": {
+            cpu_role: threads, **({rank_resource(i): threads} if cpu_trains else {})}}}
+        for i in range(n_cpu)}
+    specs.update({f"loader-{i}": {"cls": distributed.Nanny, "options": {
+        **common, "nthreads": 1, "resources": {roles.load: 1}}} for i in range(loaders)})
+    per_device, gpu_threads = cfg.gpu_workers_per_device, cfg.gpu_threads
+    gpu_workers = [(d, j) for d in gpus for j in range(per_device)]
+    specs.update({f"gpu-{d}" + (f"-{j}" if per_device > 1 else ""): {
+        "cls": distributed.Nanny, "options": {
+            **common, "nthreads": gpu_threads,
+            "resources": {"GPU": gpu_threads, rank_resource(rank): gpu_threads},
+            "env": {"CUDA_VISIBLE_DEVICES": d}}}
+        for rank, (d, j) in enumerate(gpu_workers)})
+    scheduler = {"cls": distributed.Scheduler, "options": {
+        "host": "127.0.0.1", "port": 0, "dashboard": True,
+        "dashboard_address": cfg.dashboard_address}}
+    return distributed.SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.WARN)
+
+
+def _worker_preloads() -> list[str]:
+    """The user's configured worker preloads, then ours (`pipeline.cluster.worker_setup`)."""
+    configured = dask.config.get("distributed.worker.preload") or []
+    return [*configured, "pipeline.cluster.worker_setup"]
+
+
+def check_dashboard_host(address: str) -> None:
+    """ClusterError when the host of ``cluster.dashboard_address`` (``HOST:PORT`` or ``:PORT``)
+    does not resolve (distributed's own error blamed a missing ``__main__`` guard).
+
+    >>> check_dashboard_host(":8787"); check_dashboard_host("127.0.0.1:0")
+    """
+    import socket
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    host = host.strip("[]")
+    if not host:
+        return
+    try:
+        socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError) as exc:
+        raise ClusterError(f"cluster.dashboard_address {address}: cannot resolve host {host!r} "
+                           f"({one_line(exc, kind=False)})") from None
