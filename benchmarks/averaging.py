@@ -10,8 +10,9 @@ float32 arrays), with the K states already in memory on K distinct workers:
 
 each the best of ``--repeats`` fresh runs (new inputs, so nothing is cached on the receiver;
 best-of rather than median because the 2 cores are shared with other jobs).
-Seed 001's effective bandwidth is ``2 L (K-1) / K / time``; ``fraction`` divides it by the p2p
-bandwidth ``L / time_p2p`` measured in the same cluster. The last line is one JSON object; its
+The ChainerMN scaling post (docs/references.md) counts effective bandwidth as
+``2 L (K-1) / K / time``; ``fraction`` divides it by the p2p bandwidth ``L / time_p2p`` measured
+in the same cluster. The last line is one JSON object; its
 ``calibration`` holds the local constants ``pipeline.averaging.cost`` uses for this machine.
 
     .venv/bin/python benchmarks/averaging.py --repeats 5          # ~3 min on 2 cores

@@ -14,8 +14,9 @@ under a temp dir, then measures, all in one run:
    Goal: ``decode_2w_over_1w`` >= 1.8.
 3. an epoch of small-cnn at the image size where loading dominates, on one one-thread training
    worker and one one-thread loader worker (``--loader-workers 1``: the two cores split as a GPU
-   box's are, training on its device and decoding on CPU cores beside it, as seed 003's loader
-   processes overlap with compute): training alone (decoded images cached on the loader),
+   box's are, training on its device and decoding on CPU cores beside it, as the loader
+   processes of Chainer's MultiprocessIterator overlap with compute, docs/references.md):
+   training alone (decoded images cached on the loader),
    loading alone (the epoch's decode- and augment- tasks on the loader, no training) and the
    full pipeline decoding every round. Goal: ``epoch_over_max`` = epoch / max(train, loading)
    <= 1.1; ``loading_over_train`` says which stage dominates. ``epoch-shared`` repeats it on

@@ -1,10 +1,10 @@
 """Benchmark: our `single` pipeline on a one-worker LocalCluster vs a bare Chainer loop.
 
-Same model, data, batch size, epochs and threads (one). The bare loop is seed 000's
-``run_epoch``: shuffle, slice batches, normalize, ``optimizer.update``, then test accuracy once
-per epoch. Ours is ``pipeline.train`` with strategy ``single`` (rounds of ``--mix-every`` steps,
-augmentation ``none``, evaluation each epoch) on a client made beforehand, so the cluster's
-start is not counted; loading is. Target: ours >= 0.9 of the bare loop's images/s.
+Same model, data, batch size, epochs and threads (one). The bare loop is the Chainer + Dask post's
+``run_epoch`` (docs/references.md): shuffle, slice batches, normalize, ``optimizer.update``, then
+test accuracy once per epoch. Ours is ``pipeline.train`` with strategy ``single`` (rounds of
+``--mix-every`` steps, augmentation ``none``, evaluation each epoch) on a client made beforehand, so
+the cluster's start is not counted; loading is. Target: ours >= 0.9 of the bare loop's images/s.
 
     .venv/bin/python benchmarks/overhead.py                 # ~4 min on 2 cores
 """
@@ -18,7 +18,8 @@ from _common import bench_config, common_arguments, emit, local_client, timed  #
 
 def bare_loop(model_name: str, source: str, epochs: int, batch: int, lr: float, seed: int,
               kernels: str = "ours"):
-    """Seed 000's single-process loop; returns (images/s, test accuracy)."""
+    """The single-process loop of the Chainer + Dask post (docs/references.md); returns
+    (images/s, test accuracy)."""
     import numpy as np
     from threadpoolctl import threadpool_limits
 

@@ -1,7 +1,7 @@
 """Benchmark: does augmentation overlap with training? Time per epoch with it, without it, alone.
 
-Seed 003's MultiprocessIterator overlaps loading with compute, so an epoch costs
-max(compute, loading) rather than their sum. Here the driver submits `augment-` tasks
+Chainer's MultiprocessIterator (the post in docs/references.md) overlaps loading with compute, so an
+epoch costs max(compute, loading) rather than their sum. Here the driver submits `augment-` tasks
 ``--prefetch`` rounds ahead, and they run on a second worker thread while `train-` tasks run.
 Three timings on one LocalCluster (one worker process, two threads):
 

@@ -8,8 +8,9 @@ and, from the head namespace where the scheduler runs:
 - p2p: one state of ``--mb`` MB from host 0's worker to host 1's: the link's TCP goodput;
 - allreduce, per algorithm: H fresh states (one replica per host, made on their workers), from
   submitting the average until every replica's worker holds the mean. Effective bandwidth is
-  ``2 L (K-1)/K / time`` (seed 001's count) over the link rate; beside it the time
-  ``pipeline.averaging.cost.comm_time`` predicts from the measured p2p link;
+  ``2 L (K-1)/K / time`` (the ChainerMN scaling post's count, docs/references.md) over the link
+  rate; beside it the time ``pipeline.averaging.cost.comm_time`` predicts from the measured p2p
+  link;
 - cpu: while each allreduce runs, the CPU seconds of all the run's processes (workers,
   scheduler, driver; the kernel's veth/bridge/tbf work is charged to them) per second, and the
   whole machine's busy fraction: well under the 2 cores means the links are the bottleneck;

@@ -1,6 +1,7 @@
 """Benchmark: does ipm hold single's accuracy as the global batch grows, and does K=2 save time?
 
-Two figures on real images (the seed-000 net ``cifar10-2015``, Adam, per-replica batch 100):
+Two figures on real images (``cifar10-2015``, the net of the Chainer + Dask post in
+docs/references.md; Adam, per-replica batch 100):
 
 - ``equal_epoch_gap_k4``: single's final test accuracy minus ipm's with K=4 replicas (global
   batch 400) after the same epochs, in points (goal <= 2), and ``gap_k4_mean_last5``, the gap
