@@ -9,7 +9,6 @@ with a free transpose instead of a copy.
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
 
 def to_nhwc(x: np.ndarray) -> np.ndarray:
@@ -49,14 +48,3 @@ def pad_nhwc(x: np.ndarray, ph: int, pw: int, hi_h: int | None = None, hi_w: int
     out[:, ph:ph + h, pw:pw + w] = x
     return out
 
-
-def windows(xp: np.ndarray, kh: int, kw: int, sy: int, sx: int, ho: int, wo: int) -> np.ndarray:
-    """Padded (N, Hp, Wp, C) -> read-only view (N, ho, wo, kh, kw, C) of its sliding windows.
-
-    ``view[n, i, j, a, b, c] == xp[n, i*sy + a, j*sx + b, c]``: copying it into a contiguous
-    buffer is im2col with rows (n, i, j) and columns (a, b, c).
-    """
-    n, _, _, c = xp.shape
-    s0, s1, s2, s3 = xp.strides
-    return as_strided(xp, (n, ho, wo, kh, kw, c), (s0, s1 * sy, s2 * sx, s1, s2, s3),
-                      writeable=False)

@@ -33,18 +33,57 @@ def _along(a: np.ndarray, axis: int, start: int, stop: int | None = None, step: 
     return a[tuple(index)]
 
 
+def _split(axis: int, ndim: int, s: int) -> bool:
+    """Whether a pass along ``axis`` at stride ``s`` works on residue classes (see ``_class``).
+
+    Along W (the axis before the channels) at a stride > 1 every tap is a strided view whose
+    contiguous runs are only C elements, and NumPy pays one inner-loop call per run: pool1 of
+    cifar10-2015 (32 channels) spent 7.8 ms in its W pass against 1.9 ms for its H pass, whose
+    runs are whole W*C rows; 4.6 ms with the classes (caches warm; pool1's whole forward with
+    caches flushed: 8.6-9.9 -> 7.4-9.1 ms). Along H, or at stride 1, runs are already long. The
+    backward scatter into classes (interleaved at the end) gained nothing and was not kept.
+    """
+    return s > 1 and axis == ndim - 2
+
+
+def _class(x, r: int, s: int):
+    """(N, H, W, C) -> x[:, :, r::s] as a C-contiguous array (residue class r of the W axis).
+
+    Input j*s + d - p of a tap lies in class (d - p) % s at index j + (d - p) // s, so every tap
+    becomes a slice of one class whose (length, C) block is contiguous; the classes together
+    are one copy of x. The copy moves each C-element run as one void element (a memmove each,
+    as the im2col copy does).
+    """
+    n, h, _, c = x.shape
+    runs = np.ascontiguousarray(x).view(np.dtype((np.void, c * x.itemsize)))[..., 0]
+    return np.ascontiguousarray(runs[:, :, r::s]).view(x.dtype).reshape(n, h, -1, c)
+
+
+def _source(x, axis: int, s: int):
+    """``src(i0, count)``: the inputs i0, i0 + s, ... (count of them) along ``axis``, as a view."""
+    if not _split(axis, x.ndim, s):
+        return lambda i0, count: _along(x, axis, i0, i0 + s * count, s)
+    parts = {}
+
+    def src(i0, count):
+        if i0 % s not in parts:
+            parts[i0 % s] = _class(x, i0 % s, s)
+        return _along(parts[i0 % s], axis, i0 // s, i0 // s + count)
+    return src
+
+
 def _max1d(x, axis: int, k: int, s: int, p: int, length: int, with_arg: bool = True):
     """Max over windows along ``axis``: -> (values, uint8 offset of the first maximum or None)."""
     shape = list(x.shape)
     shape[axis] = length
     taps = _taps(x.shape[axis], length, k, s, p)
+    source = _source(x, axis, s) if taps else None
     full = [t[1:3] == (0, length) for t in taps]
     y = np.empty(shape, x.dtype)
     arg = None
     if len(taps) > 1 and full[0] and full[1]:  # the usual start: two whole taps, one pass each
         (d0, _, _, i0), (d1, _, _, i1) = taps[:2]
-        first = _along(x, axis, i0, i0 + s * length, s)
-        second = _along(x, axis, i1, i1 + s * length, s)
+        first, second = source(i0, length), source(i1, length)
         if with_arg:
             arg = np.greater(second, first).view(np.uint8)  # 1 where the second is strictly larger
             if (d0, d1) != (0, 1):
@@ -53,7 +92,7 @@ def _max1d(x, axis: int, k: int, s: int, p: int, length: int, with_arg: bool = T
         taps = taps[2:]
     elif full[0]:
         d0, _, _, i0 = taps[0]
-        np.copyto(y, _along(x, axis, i0, i0 + s * length, s))
+        np.copyto(y, source(i0, length))
         arg = np.full(shape, d0, np.uint8) if with_arg else None
         taps = taps[1:]
     else:
@@ -62,7 +101,7 @@ def _max1d(x, axis: int, k: int, s: int, p: int, length: int, with_arg: bool = T
     if with_arg and taps:
         wins, tap_arg = np.empty(shape, bool), np.empty(shape, np.uint8)
     for d, j0, j1, i0 in taps:
-        src = _along(x, axis, i0, i0 + s * (j1 - j0), s)
+        src = source(i0, j1 - j0)
         dst = _along(y, axis, j0, j1)
         if with_arg:
             w = _along(wins, axis, j0, j1)
