@@ -143,59 +143,9 @@ def _timed_loop(step, sync, warmup: int, steps: int, batch: int, profile_steps: 
 
 # --------------------------------------------------------------------------------- (a) torch
 def torch_model(name: str):
-    import torch
-    from torch import nn
-    import torch.nn.functional as tf
-
-    class Cifar2015(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv1 = nn.Conv2d(3, 32, 5, padding=2)
-            self.conv2 = nn.Conv2d(32, 32, 5, padding=2)
-            self.conv3 = nn.Conv2d(32, 64, 5, padding=2)
-            self.fc4 = nn.Linear(1344, 4096)
-            self.fc5 = nn.Linear(4096, 10)
-
-        def forward(self, x):
-            # Chainer's max_pooling_2d covers all (ceil_mode); SPP of height 3 on 8x8 = bins 1, 2, 4
-            h = tf.max_pool2d(tf.relu(self.conv1(x)), 3, 2, ceil_mode=True)
-            h = tf.max_pool2d(tf.relu(self.conv2(h)), 3, 2, ceil_mode=True)
-            h = tf.relu(self.conv3(h))
-            h = torch.cat([tf.adaptive_max_pool2d(h, b).flatten(1) for b in (1, 2, 4)], 1)
-            return self.fc5(tf.dropout(tf.relu(self.fc4(h)), 0.5, self.training))
-
-    class Basic(nn.Module):
-        def __init__(self, cin, cout, stride):
-            super().__init__()
-            self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-            self.bn1 = nn.BatchNorm2d(cout)
-            self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-            self.bn2 = nn.BatchNorm2d(cout)
-            self.proj = None
-            if stride != 1 or cin != cout:
-                self.proj = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
-                                          nn.BatchNorm2d(cout))
-
-        def forward(self, x):
-            h = tf.relu(self.bn1(self.conv1(x)))
-            h = self.bn2(self.conv2(h))
-            return tf.relu(h + (self.proj(x) if self.proj is not None else x))
-
-    class ResNet20(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv1 = nn.Conv2d(3, 16, 3, 1, 1, bias=False)
-            self.bn1 = nn.BatchNorm2d(16)
-            self.stages = nn.Sequential(*[
-                Basic(cin if i == 0 else cout, cout, stride if i == 0 else 1)
-                for cin, cout, stride in ((16, 16, 1), (16, 32, 2), (32, 64, 2)) for i in range(3)])
-            self.fc = nn.Linear(64, 10)
-
-        def forward(self, x):
-            h = self.stages(tf.relu(self.bn1(self.conv1(x))))
-            return self.fc(h.mean((2, 3)))
-
-    return {"cifar10-2015": Cifar2015, "resnet20": ResNet20}[name]()
+    """The PyTorch port of ``name`` (10 classes): the one in _peer_torch.py, which peer.py uses."""
+    from _peer_torch import MODELS
+    return MODELS[name](10)
 
 
 def bench_torch(model: str, batch: int, steps: int, warmup: int) -> dict:
