@@ -106,6 +106,50 @@ def test_pointwise_convolution_with_stride_check_backward():
                                   atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape,w_shape,stride,pad,bias", [
+    ((7, 3, 9, 8), (5, 3, 3, 3), 1, 1, True),    # stride 1: gx by the flipped kernel
+    ((6, 4, 9, 9), (3, 4, 3, 3), 2, 1, False),   # stride 2: gx by col2im
+    ((5, 2, 8, 7), (4, 2, 5, 5), 1, 2, True),    # cifar10-2015's 5x5
+])
+def test_convolution_threads_give_the_bits_of_one_thread(monkeypatch, shape, w_shape, stride, pad,
+                                                         bias):
+    """Chunks shared among threads: every GEMM and gW's chunk order as on one thread."""
+    from threadpoolctl import threadpool_limits
+    from pipeline.backends.chainer.cpu_kernels import convolution
+    monkeypatch.setattr(convolution, "CHUNK_BYTES", 1)  # one image per chunk: 5-7 chunks
+    r = _rng(3)
+    arrays = [r.standard_normal(shape).astype(np.float32),
+              r.standard_normal(w_shape).astype(np.float32)]
+    if bias:
+        arrays.append(r.standard_normal(w_shape[0]).astype(np.float32))
+    results = []
+    with threadpool_limits(1):
+        for threads in (1, 2, 3):
+            with chainer.using_config("cpu_kernel_threads", threads):
+                y, grads = _grads(lambda *a: K.convolution_2d(*a, stride=stride, pad=pad), arrays,
+                                  _rng(4).standard_normal(
+                                      K.convolution_2d(*arrays, stride=stride, pad=pad).shape
+                                  ).astype(np.float32))
+            results.append([y] + grads)
+    for other in results[1:]:
+        for a, b in zip(other, results[0]):
+            assert a.tobytes() == b.tobytes()
+
+
+def test_a_step_with_kernel_threads_gives_the_bits_of_one_thread(monkeypatch):
+    from threadpoolctl import threadpool_limits
+    from pipeline.backends.chainer.cpu_kernels import convolution
+    monkeypatch.setattr(convolution, "CHUNK_BYTES", 64 << 10)  # several chunks at batch 8
+    runs = []
+    with threadpool_limits(1):
+        for threads in (1, 2):
+            with chainer.using_config("cpu_kernel_threads", threads):
+                runs.append(_train("small-cnn", "ours"))
+    assert runs[1][0] == runs[0][0]
+    for path, value in runs[0][1].items():
+        assert runs[1][1][path].tobytes() == value.tobytes(), path
+
+
 # ---- pooling -------------------------------------------------------------------------------
 
 pool_cases = st.tuples(

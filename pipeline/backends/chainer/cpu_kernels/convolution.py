@@ -6,6 +6,9 @@ straight into the output and no transpose is ever copied.
 """
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 from pipeline.backends.chainer.cpu_kernels.layout import out_size, pad_nhwc
@@ -27,8 +30,60 @@ def _chunks(n: int, row_bytes: int):
     return [(n0, min(n, n0 + step)) for n0 in range(0, n, step)]
 
 
-def _columns(xp, kh, kw, sy, sx, ho, wo, ones: bool = False):
+# ---- threads: the chunks of one convolution shared among ``threads`` threads -----------------
+#
+# With ``threads`` > 1 the chunks are dealt round-robin (chunk i to share i mod t); the calling
+# thread runs share 0 and a process-wide pool the others, each share with its own column buffer.
+# NumPy's copies and BLAS release the GIL. Every chunk's copy and GEMM are the ones the serial
+# loop runs, and gW's per-chunk products are summed in chunk order, so the result is the same
+# bits as with one thread, provided each GEMM runs on one BLAS thread (the caller's business:
+# a multi-threaded BLAS call can give other bits, and two such pools oversubscribe the cores).
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL._max_workers < workers:
+            old, _POOL = _POOL, ThreadPoolExecutor(workers, thread_name_prefix="cpu-kernels")
+            if old is not None:
+                old.shutdown(wait=False)
+        return _POOL
+
+
+def _shares(ranges: list, threads: int) -> list:
+    """Chunk ranges dealt round-robin into min(threads, len(ranges)) shares."""
+    t = max(1, min(threads, len(ranges)))
+    return [ranges[i::t] for i in range(t)]
+
+
+def _run_shares(fn, shares: list) -> list:
+    """[fn(share) for share in shares]: the first on this thread, the rest on the pool."""
+    if len(shares) == 1:
+        return [fn(shares[0])]
+    futures = [_pool(len(shares) - 1).submit(fn, share) for share in shares[1:]]
+    try:
+        first = fn(shares[0])
+    finally:  # never leave a share writing into buffers the caller is done with
+        for f in futures:
+            f.exception()
+    return [first] + [f.result() for f in futures]
+
+
+def _unshare(parts: list) -> list:
+    """Per-share result lists (share i holding chunks i, i+t, ...) -> one list in chunk order."""
+    ordered = [None] * sum(len(p) for p in parts)
+    for i, p in enumerate(parts):
+        ordered[i::len(parts)] = p
+    return ordered
+
+
+def _columns(xp, kh, kw, sy, sx, ho, wo, ones: bool = False, ranges: list | None = None):
     """Yield ``(n0, n1, col)``: im2col rows (n, i, j) x columns (a, b, c) of images [n0, n1).
+
+    ``ranges``: the chunks to yield (default: all, ``_chunks``).
 
     One buffer serves every chunk, so each ``col`` is overwritten by the next. With ``ones`` the
     buffer has one more column of ones: a GEMM against a weight matrix whose last row is the bias
@@ -46,8 +101,9 @@ def _columns(xp, kh, kw, sy, sx, ho, wo, ones: bool = False):
     n, _, _, c = xp.shape
     k = kh * kw * c
     rows = ho * wo
-    ranges = _chunks(n, rows * k * xp.itemsize)
-    buf = np.empty(((ranges[0][1] - ranges[0][0]) * rows, k + ones), xp.dtype)
+    if ranges is None:
+        ranges = _chunks(n, rows * k * xp.itemsize)
+    buf = np.empty((max(n1 - n0 for n0, n1 in ranges) * rows, k + ones), xp.dtype)
     if ones:
         buf[:, k] = 1
     run = np.dtype(f"V{kw * c * xp.itemsize}")
@@ -63,14 +119,19 @@ def _columns(xp, kh, kw, sy, sx, ho, wo, ones: bool = False):
         yield n0, n1, buf[:(n1 - n0) * rows]
 
 
-def _im2col_gemm(xp, wmat, kh, kw, sy, sx, ho, wo, out, ones: bool = False):
+def _im2col_gemm(xp, wmat, kh, kw, sy, sx, ho, wo, out, ones: bool = False, threads: int = 1):
     """out (N*ho*wo, O) = im2col(xp) @ wmat, one chunk of images at a time.
 
     xp: padded (N, Hp, Wp, C); wmat: (kh*kw*C [+ 1 bias row if ``ones``], O), any strides.
     """
+    xp = np.ascontiguousarray(xp)
     rows = ho * wo
-    for n0, n1, col in _columns(xp, kh, kw, sy, sx, ho, wo, ones):
-        gemm(col, wmat, out[n0 * rows:n1 * rows])
+
+    def share(ranges):
+        for n0, n1, col in _columns(xp, kh, kw, sy, sx, ho, wo, ones, ranges):
+            gemm(col, wmat, out[n0 * rows:n1 * rows])
+    ranges = _chunks(xp.shape[0], rows * kh * kw * xp.shape[3] * xp.itemsize)
+    _run_shares(share, _shares(ranges, threads))
     return out
 
 
@@ -85,7 +146,7 @@ def _weight_rows(w, b=None):
     return wr
 
 
-def forward(x, w, b, stride: tuple, pad: tuple):
+def forward(x, w, b, stride: tuple, pad: tuple, threads: int = 1):
     """y = conv(x, w) + b: (N, H, W, C), (O, C, kh, kw), (O,) or None -> (N, Ho, Wo, O).
 
     Returns ``(y, xp)``; ``xp`` is the padded input the backward pass reuses.
@@ -103,11 +164,12 @@ def forward(x, w, b, stride: tuple, pad: tuple):
         if b is not None:
             y2 += b
     else:  # the bias rides in the GEMM: ones column x bias row
-        _im2col_gemm(xp, _weight_rows(w, b).T, kh, kw, sy, sx, ho, wo, y2, ones=b is not None)
+        _im2col_gemm(xp, _weight_rows(w, b).T, kh, kw, sy, sx, ho, wo, y2, ones=b is not None,
+                     threads=threads)
     return y, xp
 
 
-def grad_w(xp, gy, kh: int, kw: int, stride: tuple, bias: bool = False):
+def grad_w(xp, gy, kh: int, kw: int, stride: tuple, bias: bool = False, threads: int = 1):
     """dL/dw and dL/db: padded x (N, Hp, Wp, C), gy (N, Ho, Wo, O) -> ((O, C, kh, kw), (O,) or None).
 
     Recomputes the im2col columns chunk by chunk (a copy within L2) instead of keeping the
@@ -122,18 +184,28 @@ def grad_w(xp, gy, kh: int, kw: int, stride: tuple, bias: bool = False):
         return gemm(gy2.T, xs).reshape(o, c, 1, 1), (gy2.sum(axis=0) if bias else None)
     k = kh * kw * c
     rows = ho * wo
-    gwt = part = None
-    for n0, n1, col in _columns(xp, kh, kw, sy, sx, ho, wo, ones=bias):
-        if gwt is None:
-            gwt = gemm(gy2[n0 * rows:n1 * rows].T, col)
-            part = np.empty_like(gwt)
-        else:
-            gwt += gemm(gy2[n0 * rows:n1 * rows].T, col, part)
+    xp = np.ascontiguousarray(xp)
+    shares = _shares(_chunks(n, rows * k * xp.itemsize), threads)
+    if len(shares) > 1:  # every chunk's product kept, then summed in chunk order as below
+        products = _unshare(_run_shares(lambda ranges: [
+            gemm(gy2[n0 * rows:n1 * rows].T, col)
+            for n0, n1, col in _columns(xp, kh, kw, sy, sx, ho, wo, bias, ranges)], shares))
+        gwt = products[0]
+        for p in products[1:]:
+            gwt += p
+    else:
+        gwt = part = None
+        for n0, n1, col in _columns(xp, kh, kw, sy, sx, ho, wo, ones=bias):
+            if gwt is None:
+                gwt = gemm(gy2[n0 * rows:n1 * rows].T, col)
+                part = np.empty_like(gwt)
+            else:
+                gwt += gemm(gy2[n0 * rows:n1 * rows].T, col, part)
     gw = gwt[:, :k].reshape(o, kh, kw, c).transpose(0, 3, 1, 2)
     return np.ascontiguousarray(gw), (gwt[:, k].copy() if bias else None)
 
 
-def grad_x(gy, w, x_shape: tuple, stride: tuple, pad: tuple):
+def grad_x(gy, w, x_shape: tuple, stride: tuple, pad: tuple, threads: int = 1):
     """dL/dx: gy (N, Ho, Wo, O), w (O, C, kh, kw) -> (N, H, W, C).
 
     Stride 1 with pad <= k - 1: the gradient is itself a convolution of gy, padded by
@@ -151,11 +223,12 @@ def grad_x(gy, w, x_shape: tuple, stride: tuple, pad: tuple):
         gyp = pad_nhwc(gy, qh, qw)
         wflip = w[:, :, ::-1, ::-1].transpose(2, 3, 0, 1).reshape(kh * kw * o, c)
         gx = np.empty((n, h, wd, c), gy.dtype)
-        return _im2col_gemm(gyp, wflip, kh, kw, 1, 1, h, wd, gx.reshape(-1, c)).reshape(gx.shape)
-    return _col2im_grad_x(gy, w, x_shape, stride, pad)
+        return _im2col_gemm(gyp, wflip, kh, kw, 1, 1, h, wd, gx.reshape(-1, c),
+                            threads=threads).reshape(gx.shape)
+    return _col2im_grad_x(gy, w, x_shape, stride, pad, threads)
 
 
-def _col2im_grad_x(gy, w, x_shape, stride, pad):
+def _col2im_grad_x(gy, w, x_shape, stride, pad, threads=1):
     n, h, wd, c = x_shape
     o, _, kh, kw = w.shape
     (sy, sx), (ph, pw) = stride, pad
@@ -164,11 +237,14 @@ def _col2im_grad_x(gy, w, x_shape, stride, pad):
     hp, wp = max(h + 2 * ph, sy * (ho - 1) + kh), max(wd + 2 * pw, sx * (wo - 1) + kw)
     gx = np.empty((n, h, wd, c), gy.dtype)
     rows = ho * wo
-    for n0, n1 in _chunks(n, rows * c * kh * kw * gy.itemsize):
-        gcol = gemm(gy[n0:n1].reshape(-1, o), wmat).reshape(n1 - n0, ho, wo, kh, kw, c)
-        gxp = np.zeros((n1 - n0, hp, wp, c), gy.dtype)
-        for a in range(kh):
-            for b in range(kw):
-                gxp[:, a:a + sy * ho:sy, b:b + sx * wo:sx] += gcol[:, :, :, a, b]
-        gx[n0:n1] = gxp[:, ph:ph + h, pw:pw + wd]
+
+    def share(ranges):  # chunks write disjoint images of gx
+        for n0, n1 in ranges:
+            gcol = gemm(gy[n0:n1].reshape(-1, o), wmat).reshape(n1 - n0, ho, wo, kh, kw, c)
+            gxp = np.zeros((n1 - n0, hp, wp, c), gy.dtype)
+            for a in range(kh):
+                for b in range(kw):
+                    gxp[:, a:a + sy * ho:sy, b:b + sx * wo:sx] += gcol[:, :, :, a, b]
+            gx[n0:n1] = gxp[:, ph:ph + h, pw:pw + wd]
+    _run_shares(share, _shares(_chunks(n, rows * c * kh * kw * gy.itemsize), threads))
     return gx

@@ -19,6 +19,15 @@ def _pair(v) -> tuple:
     return tuple(v) if isinstance(v, (tuple, list)) else (v, v)
 
 
+def _threads() -> int:
+    """``chainer.config.cpu_kernel_threads`` (default 1): threads our convolutions share chunks among.
+
+    The same bits at any count as long as BLAS runs one thread (see ``convolution._run_shares``);
+    a caller giving a step several cores sets BLAS to one thread and this to the cores.
+    """
+    return max(1, int(getattr(chainer.config, "cpu_kernel_threads", 1)))
+
+
 def _no_double_backprop(name: str) -> None:
     if chainer.config.enable_backprop:
         raise NotImplementedError(
@@ -45,7 +54,7 @@ class Convolution2D(chainer.FunctionNode):
     def forward_cpu(self, inputs):
         x, w = inputs[:2]
         b = inputs[2] if len(inputs) == 3 else None
-        y, self._xp = convolution.forward(to_nhwc(x), w, b, self.stride, self.pad)
+        y, self._xp = convolution.forward(to_nhwc(x), w, b, self.stride, self.pad, _threads())
         self._x_shape = (x.shape[0], x.shape[2], x.shape[3], x.shape[1])  # NHWC
         self.retain_inputs((1,))
         return to_nchw(y),
@@ -56,10 +65,11 @@ class Convolution2D(chainer.FunctionNode):
         gy = to_nhwc(grad_outputs[0].array)
         grads = {}
         if 0 in indexes:
-            grads[0] = to_nchw(convolution.grad_x(gy, w, self._x_shape, self.stride, self.pad))
+            grads[0] = to_nchw(convolution.grad_x(gy, w, self._x_shape, self.stride, self.pad,
+                                                  _threads()))
         if 1 in indexes:  # the bias gradient comes with it out of the same GEMMs
             grads[1], grads[2] = convolution.grad_w(self._xp, gy, *w.shape[2:], self.stride,
-                                                    bias=2 in indexes)
+                                                    bias=2 in indexes, threads=_threads())
         elif 2 in indexes:
             grads[2] = gy.reshape(-1, gy.shape[-1]).sum(axis=0)
         return tuple(chainer.Variable(grads[i]) for i in indexes)
