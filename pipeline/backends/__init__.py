@@ -8,7 +8,7 @@ plus its line in ``BACKENDS``.
 from __future__ import annotations
 
 import importlib
-from typing import Any, NamedTuple, Protocol
+from typing import Any, ContextManager, NamedTuple, Protocol
 
 import numpy as np
 
@@ -111,6 +111,11 @@ class Backend(Protocol):
 
     def predict(self, params: State, images: np.ndarray, spec: Any) -> np.ndarray:
         """(N, 3, H, W) uint8 -> (N, classes) float32 softmax probabilities."""
+
+    def using_threads(self, threads: int, spec: Any) -> ContextManager[int]:
+        """A block in which the task's work runs on ``threads`` cores (its share of its
+        worker's), split as the framework does it best; the BLAS/OpenMP pools go through
+        ``pipeline.core.threads.limit_blas_threads``. Yields ``threads``."""
 
 
 def get_backend(name: str = "chainer") -> Backend:

@@ -190,13 +190,13 @@ class RoundGraph:
         workers = self._train_workers()
         return workers[replica % len(workers)] if workers else None
 
-    def _blas_share(self, replica: int) -> int:
-        """BLAS threads of replica k's tasks: its worker's threads over the replicas placed on
-        that worker (at least 1); 0 (the worker's threads, decided in the task) where replicas
-        are not placed. Every replica on a worker gets the same share, so the process-wide
+    def _thread_share(self, replica: int) -> int:
+        """Threads of replica k's tasks: its worker's threads over the replicas placed on that
+        worker (at least 1); 0 (the worker's threads, decided in the task) where replicas are
+        not placed. Every replica on a worker gets the same share, so the process-wide BLAS
         limit (``core.threads``) is the one each asked for: K replicas as threads of one
         K-thread worker round exactly as K one-thread workers do (1 thread each), and
-        ``single`` on a 2-thread worker runs BLAS on both."""
+        ``single`` on a 2-thread worker runs its step on both."""
         home = self._home(replica)
         if home is None:
             return 0
@@ -341,8 +341,8 @@ class RoundGraph:
         """Futures ``(params, opt, metrics, result)`` of a replica's train- task (``result``:
         the whole ``TrainResult``). ``pin``: the replica whose worker it prefers (default
         ``replica``) when ``cluster.pin_replicas`` is on."""
-        if not spec.blas_threads:
-            spec = spec._replace(blas_threads=self._blas_share(replica if pin is None else pin))
+        if not spec.threads:
+            spec = spec._replace(threads=self._thread_share(replica if pin is None else pin))
         with distributed.span("train"):
             key = self.key("train", rnd.index, replica)
             fut = self.client.submit(tasks.train, params, opt, shard, spec, key=key, pure=False,
@@ -356,9 +356,9 @@ class RoundGraph:
             return (*picks, fut)
 
     def submit_evaluate(self, rnd_index: int, params, spec: tasks.EvalSpec) -> list:
-        if not spec.blas_threads:  # any training worker may evaluate: the smallest share
-            shares = [self._blas_share(k) for k in range(self.config.train.replicas)]
-            spec = spec._replace(blas_threads=min(shares) if all(shares) else 0)
+        if not spec.threads:  # any training worker may evaluate: the smallest share
+            shares = [self._thread_share(k) for k in range(self.config.train.replicas)]
+            spec = spec._replace(threads=min(shares) if all(shares) else 0)
         with distributed.span("evaluate"):
             return [self.client.submit(tasks.evaluate, params, images, labels, spec,
                                        key=self.key("evaluate", rnd_index, i), pure=False,

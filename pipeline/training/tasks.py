@@ -18,7 +18,7 @@ from pipeline.averaging import exact as averaging
 from pipeline.backends import State, get_backend
 from pipeline.core.errors import UsageError
 from pipeline.core.rng import rng_for
-from pipeline.core.threads import limit_blas_threads
+from pipeline.core.threads import worker_threads
 from pipeline.data.readers import Shard
 
 
@@ -45,10 +45,10 @@ class StepSpec(NamedTuple):
     cpu_kernels: str = "ours"  # convolution/pooling/BatchNorm on NumPy: ours | chainer
     optimizer_args: str = "{}"  # JSON keyword arguments of the optimizer
     grad_clip: float = 0.0  # L2 norm the gradient is clipped to (0: off)
-    blas_threads: int = 0  # BLAS threads of the task; 0: its worker's threads. The driver sets
-    #                        a worker's threads over the replicas placed on it, so replicas
-    #                        sharing a worker as threads neither oversubscribe its cores nor
-    #                        round differently from one replica per one-thread worker
+    threads: int = 0  # cores of the task; 0: its worker's threads. The driver sets a worker's
+    #                   threads over the replicas placed on it, so replicas sharing a worker as
+    #                   threads do not oversubscribe its cores; the backend decides how a task
+    #                   uses several (``Backend.using_threads``)
 
 
 class TrainResult(NamedTuple):
@@ -68,8 +68,7 @@ def train(params: State, opt_state: State | None, shard: Shard, spec: StepSpec) 
     start = time.perf_counter()
     backend = get_backend(spec.backend)
     rng = rng_for(spec.seed, "dropout", spec.round, spec.replica)
-    with limit_blas_threads(spec.blas_threads or None), \
-            _memory_named(spec.model, shard.images, spec.batch_size):
+    with _cores(spec), _memory_named(spec.model, shard.images, spec.batch_size):
         if spec.mode == "gradient":
             new_params, stats = backend.gradient(params, shard.images, shard.labels, spec, rng)
             new_opt = None
@@ -83,6 +82,12 @@ def train(params: State, opt_state: State | None, shard: Shard, spec: StepSpec) 
                    finite=stats.finite and nonfinite is None, replica=spec.replica,
                    nonfinite=nonfinite, seconds=time.perf_counter() - start)
     return TrainResult(new_params, new_opt, metrics)
+
+
+def _cores(spec):
+    """The task's share of its worker's cores (``spec.threads``; 0: all of them), used as its
+    backend uses them best (``Backend.using_threads``)."""
+    return get_backend(spec.backend).using_threads(spec.threads or worker_threads(), spec)
 
 
 @contextlib.contextmanager
@@ -105,7 +110,7 @@ def update(params: State, opt_state: State | None, mean: State, spec: StepSpec) 
     ``mean`` holds the replicas' sample-weighted mean gradient for every parameter and their mean
     BatchNorm statistics. Returns ``(params, optimizer_state)``.
     """
-    with limit_blas_threads(spec.blas_threads or None):
+    with _cores(spec):
         return get_backend(spec.backend).apply_gradient(params, opt_state, mean, spec)
 
 
@@ -120,13 +125,12 @@ class EvalSpec(NamedTuple):
     std: tuple = tuple(augment.CIFAR10_STD)
     backend: str = "chainer"
     cpu_kernels: str = "ours"  # as StepSpec.cpu_kernels
-    blas_threads: int = 0  # as StepSpec.blas_threads (the same on a worker as its train tasks')
+    threads: int = 0  # as StepSpec.threads (the same on a worker as its train tasks')
 
 
 def predict_proba(params: State, images: np.ndarray, spec: EvalSpec) -> np.ndarray:
     """(N, 3, 32, 32) uint8 -> (N, classes) float32 softmax probabilities (TTA-averaged if asked)."""
-    with limit_blas_threads(spec.blas_threads or None), \
-            _memory_named(spec.model, images, spec.batch_size):
+    with _cores(spec), _memory_named(spec.model, images, spec.batch_size):
         return get_backend(spec.backend).predict(params, images, spec)
 
 

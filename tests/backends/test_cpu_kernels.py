@@ -179,6 +179,46 @@ def test_max_pooling_matches_chainer_ties_included(case):
 
 
 @EXAMPLES
+@given(pool_cases, st.integers(2, 3))
+def test_max_pooling_on_threads_matches_chainer_ties_included(case, threads):
+    """The batch cut into parts on their own threads: the same values and routed gradients."""
+    n, c, h, w, kh, kw, sy, sx, ph, pw, cover_all, ties, seed = case
+    if ph >= kh or pw >= kw or h + 2 * ph < kh or w + 2 * pw < kw:
+        return
+    args = dict(ksize=(kh, kw), stride=(sy, sx), pad=(ph, pw), cover_all=cover_all)
+    with chainer.using_config("cpu_kernel_threads", threads):
+        _assert_same(lambda x: K.max_pooling_2d(x, **args),
+                     lambda x: F.max_pooling_2d(x, **args), [_pool_input(case)], seed, exact=True)
+
+
+def test_adam_on_threads_gives_the_bits_of_one_thread(monkeypatch):
+    """The update's slices shared among threads: each element sees the one-thread operations."""
+    from pipeline.backends.chainer.cpu_kernels import optimizers, sharing
+    monkeypatch.setattr(optimizers, "CHUNK", 1000)  # 11 slices
+    monkeypatch.setattr(chainer.optimizers.adam.AdamRule, "update_core_cpu",
+                        optimizers.adam_update_core_cpu)
+    shares, run = [], sharing.run
+    monkeypatch.setattr(sharing, "run", lambda fn, parts: shares.append(len(parts)) or run(fn, parts))
+    r = _rng(9)
+    start, grads = r.standard_normal(10_500).astype(np.float32), [
+        r.standard_normal(10_500).astype(np.float32) for _ in range(3)]
+    results = []
+    for threads in (1, 2, 3):
+        link = chainer.Link()
+        with link.init_scope():
+            link.w = chainer.Parameter(start.copy())
+        opt = chainer.optimizers.Adam(alpha=1e-2, weight_decay_rate=1e-3)
+        opt.setup(link)
+        with chainer.using_config("cpu_kernel_threads", threads):
+            for g in grads:
+                link.w.grad = g.copy()
+                opt.update()
+        results.append(link.w.array.tobytes() + opt.target.w.update_rule.state["v"].tobytes())
+    assert results[1] == results[0] and results[2] == results[0]
+    assert sorted(set(shares)) == [1, 2, 3]
+
+
+@EXAMPLES
 @given(pool_cases)
 def test_max_pooling_without_graph_matches_chainer(case):
     n, c, h, w, kh, kw, sy, sx, ph, pw, cover_all, ties, seed = case

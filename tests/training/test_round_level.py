@@ -73,7 +73,7 @@ def test_shards_are_made_where_their_replica_trains_and_the_bytes_stay(dask_clie
 def test_replicas_as_threads_of_one_worker_round_as_one_replica_per_worker(dask_client):
     """Two replicas as the two threads of one worker (their average reads both states in place,
     moving no bytes) give the bytes of one replica per one-thread worker: each caps BLAS at its
-    share of the worker's threads (``RoundGraph._blas_share``), 1, as a one-thread worker does."""
+    share of the worker's threads (``RoundGraph._thread_share``), 1, as a one-thread worker does."""
     import distributed
     per_worker, _ = _run(dask_client)
     with distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=False,
@@ -85,7 +85,7 @@ def test_replicas_as_threads_of_one_worker_round_as_one_replica_per_worker(dask_
     assert per_worker.history[-1]["test_acc"] == threads.history[-1]["test_acc"]
 
 
-def test_blas_share_is_the_workers_threads_over_its_replicas():
+def test_thread_share_is_the_workers_threads_over_its_replicas():
     from types import SimpleNamespace
 
     class Graph(graph.RoundGraph):
@@ -96,7 +96,33 @@ def test_blas_share_is_the_workers_threads_over_its_replicas():
         def _home(self, replica):
             return self._homes[replica]
 
-    assert [Graph(["a", "a"], {"a": 2})._blas_share(k) for k in (0, 1)] == [1, 1]
-    assert Graph(["a"], {"a": 2})._blas_share(0) == 2  # single: both cores
-    assert [Graph(["a", "b", "a"], {"a": 4, "b": 1})._blas_share(k) for k in (0, 1, 2)] == [2, 1, 2]
-    assert Graph([None], {})._blas_share(0) == 0  # not placed: the worker's threads
+    assert [Graph(["a", "a"], {"a": 2})._thread_share(k) for k in (0, 1)] == [1, 1]
+    assert Graph(["a"], {"a": 2})._thread_share(0) == 2  # single: both cores
+    assert [Graph(["a", "b", "a"], {"a": 4, "b": 1})._thread_share(k) for k in (0, 1, 2)] == [2, 1, 2]
+    assert Graph([None], {})._thread_share(0) == 0  # not placed: the worker's threads
+
+
+def test_single_on_a_two_thread_worker_uses_both_threads_with_the_bits_of_one(monkeypatch):
+    """``single`` on one 2-thread worker runs each convolution's chunks on 2 threads over one
+    BLAS thread (``Backend.using_threads``): the bytes of ``single`` on a 1-thread worker."""
+    import distributed
+    from pipeline.backends.chainer.cpu_kernels import sharing
+    shares, run_shares = [], sharing.run
+
+    def spy(fn, parts):
+        shares.append(len(parts))
+        return run_shares(fn, parts)
+
+    monkeypatch.setattr(sharing, "run", spy)
+    results = {}
+    for threads in (1, 2):
+        with distributed.LocalCluster(n_workers=1, threads_per_worker=threads, processes=False,
+                                      dashboard_address="127.0.0.1:0") as cluster, \
+                distributed.Client(cluster, set_as_default=False) as client:
+            shares.clear()
+            results[threads], _ = _run(client, **{"train.strategy": "single",
+                                                  "train.replicas": 1})
+            results[threads, "shares"] = max(shares)
+    assert results[1, "shares"] == 1 and results[2, "shares"] == 2
+    assert_same_bits(results[1].params, results[2].params)
+    assert results[1].history[-1]["test_acc"] == results[2].history[-1]["test_acc"]

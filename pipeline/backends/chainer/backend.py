@@ -16,6 +16,7 @@ from pipeline.backends.chainer import compat
 from pipeline.backends.chainer.compat import F, chainer
 from pipeline.backends.chainer.cpu_kernels import stock as stock_kernels
 from pipeline.backends.chainer.gpu_kernels import fused_update
+from pipeline.core.threads import limit_blas_threads
 from pipeline.backends.chainer.state import (build, cached_model, get_optimizer_state,
                                              get_state, load_npz, make_optimizer, param_keys,
                                              set_lr, set_optimizer_state, set_state,
@@ -265,6 +266,18 @@ class ChainerBackend:
                                    for lo in range(0, len(images), spec.batch_size))]
             xp = chainer.backend.get_array_module(parts[0])
             return np.asarray(_host(xp.concatenate(parts)), dtype=np.float32)
+
+    @contextlib.contextmanager
+    def using_threads(self, threads, spec):
+        """On a CPU with our kernels, ``threads`` > 1 share each convolution's im2col chunks
+        (``chainer.config.cpu_kernel_threads``) over one BLAS thread: the bits of one thread at
+        any count, where BLAS on n threads splits some products' sums and rounds otherwise. Two
+        cores, one cifar10-2015 step: 1.31x one thread (2 BLAS threads: 1.32x, other bits);
+        resnet20 1.36x (1.11x); docs/benchmarks.md. Elsewhere BLAS gets the threads."""
+        ours = spec.device == "cpu" and spec.cpu_kernels == "ours"
+        with limit_blas_threads(1 if ours else threads), \
+                chainer.using_config("cpu_kernel_threads", threads if ours else 1):
+            yield threads
 
 
 BACKEND = ChainerBackend()

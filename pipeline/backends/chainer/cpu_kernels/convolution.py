@@ -6,11 +6,9 @@ straight into the output and no transpose is ever copied.
 """
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 
+from pipeline.backends.chainer.cpu_kernels import sharing
 from pipeline.backends.chainer.cpu_kernels.layout import out_size, pad_nhwc
 
 # Bytes of one im2col chunk: a few images' columns stay in the 1 MiB L2 between the copy and the
@@ -30,54 +28,9 @@ def _chunks(n: int, row_bytes: int):
     return [(n0, min(n, n0 + step)) for n0 in range(0, n, step)]
 
 
-# ---- threads: the chunks of one convolution shared among ``threads`` threads -----------------
-#
-# With ``threads`` > 1 the chunks are dealt round-robin (chunk i to share i mod t); the calling
-# thread runs share 0 and a process-wide pool the others, each share with its own column buffer.
-# NumPy's copies and BLAS release the GIL. Every chunk's copy and GEMM are the ones the serial
-# loop runs, and gW's per-chunk products are summed in chunk order, so the result is the same
-# bits as with one thread, provided each GEMM runs on one BLAS thread (the caller's business:
-# a multi-threaded BLAS call can give other bits, and two such pools oversubscribe the cores).
-
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _pool(workers: int) -> ThreadPoolExecutor:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None or _POOL._max_workers < workers:
-            old, _POOL = _POOL, ThreadPoolExecutor(workers, thread_name_prefix="cpu-kernels")
-            if old is not None:
-                old.shutdown(wait=False)
-        return _POOL
-
-
-def _shares(ranges: list, threads: int) -> list:
-    """Chunk ranges dealt round-robin into min(threads, len(ranges)) shares."""
-    t = max(1, min(threads, len(ranges)))
-    return [ranges[i::t] for i in range(t)]
-
-
-def _run_shares(fn, shares: list) -> list:
-    """[fn(share) for share in shares]: the first on this thread, the rest on the pool."""
-    if len(shares) == 1:
-        return [fn(shares[0])]
-    futures = [_pool(len(shares) - 1).submit(fn, share) for share in shares[1:]]
-    try:
-        first = fn(shares[0])
-    finally:  # never leave a share writing into buffers the caller is done with
-        for f in futures:
-            f.exception()
-    return [first] + [f.result() for f in futures]
-
-
-def _unshare(parts: list) -> list:
-    """Per-share result lists (share i holding chunks i, i+t, ...) -> one list in chunk order."""
-    ordered = [None] * sum(len(p) for p in parts)
-    for i, p in enumerate(parts):
-        ordered[i::len(parts)] = p
-    return ordered
+# With ``threads`` > 1 a convolution's chunks are dealt round-robin among threads
+# (``cpu_kernels.sharing``), each share with its own column buffer; gW's per-chunk products are
+# summed in chunk order, so the result is the bits of one thread.
 
 
 def _columns(xp, kh, kw, sy, sx, ho, wo, ones: bool = False, ranges: list | None = None):
@@ -131,7 +84,7 @@ def _im2col_gemm(xp, wmat, kh, kw, sy, sx, ho, wo, out, ones: bool = False, thre
         for n0, n1, col in _columns(xp, kh, kw, sy, sx, ho, wo, ones, ranges):
             gemm(col, wmat, out[n0 * rows:n1 * rows])
     ranges = _chunks(xp.shape[0], rows * kh * kw * xp.shape[3] * xp.itemsize)
-    _run_shares(share, _shares(ranges, threads))
+    sharing.run(share, sharing.deal(ranges, threads))
     return out
 
 
@@ -185,9 +138,9 @@ def grad_w(xp, gy, kh: int, kw: int, stride: tuple, bias: bool = False, threads:
     k = kh * kw * c
     rows = ho * wo
     xp = np.ascontiguousarray(xp)
-    shares = _shares(_chunks(n, rows * k * xp.itemsize), threads)
+    shares = sharing.deal(_chunks(n, rows * k * xp.itemsize), threads)
     if len(shares) > 1:  # every chunk's product kept, then summed in chunk order as below
-        products = _unshare(_run_shares(lambda ranges: [
+        products = sharing.in_order(sharing.run(lambda ranges: [
             gemm(gy2[n0 * rows:n1 * rows].T, col)
             for n0, n1, col in _columns(xp, kh, kw, sy, sx, ho, wo, bias, ranges)], shares))
         gwt = products[0]
@@ -246,5 +199,5 @@ def _col2im_grad_x(gy, w, x_shape, stride, pad, threads=1):
                 for b in range(kw):
                     gxp[:, a:a + sy * ho:sy, b:b + sx * wo:sx] += gcol[:, :, :, a, b]
             gx[n0:n1] = gxp[:, ph:ph + h, pw:pw + wd]
-    _run_shares(share, _shares(_chunks(n, rows * c * kh * kw * gy.itemsize), threads))
+    sharing.run(share, sharing.deal(_chunks(n, rows * c * kh * kw * gy.itemsize), threads))
     return gx

@@ -9,7 +9,7 @@ First-order gradients only: double backprop raises.
 from __future__ import annotations
 
 from pipeline.backends.chainer.compat import chainer
-from pipeline.backends.chainer.cpu_kernels import convolution, normalization, pooling
+from pipeline.backends.chainer.cpu_kernels import convolution, normalization, pooling, sharing
 from pipeline.backends.chainer.cpu_kernels.layout import to_nchw, to_nhwc
 
 type_check = chainer.utils.type_check
@@ -17,15 +17,6 @@ type_check = chainer.utils.type_check
 
 def _pair(v) -> tuple:
     return tuple(v) if isinstance(v, (tuple, list)) else (v, v)
-
-
-def _threads() -> int:
-    """``chainer.config.cpu_kernel_threads`` (default 1): threads our convolutions share chunks among.
-
-    The same bits at any count as long as BLAS runs one thread (see ``convolution._run_shares``);
-    a caller giving a step several cores sets BLAS to one thread and this to the cores.
-    """
-    return max(1, int(getattr(chainer.config, "cpu_kernel_threads", 1)))
 
 
 def _no_double_backprop(name: str) -> None:
@@ -54,7 +45,8 @@ class Convolution2D(chainer.FunctionNode):
     def forward_cpu(self, inputs):
         x, w = inputs[:2]
         b = inputs[2] if len(inputs) == 3 else None
-        y, self._xp = convolution.forward(to_nhwc(x), w, b, self.stride, self.pad, _threads())
+        y, self._xp = convolution.forward(to_nhwc(x), w, b, self.stride, self.pad,
+                                          sharing.threads())
         self._x_shape = (x.shape[0], x.shape[2], x.shape[3], x.shape[1])  # NHWC
         self.retain_inputs((1,))
         return to_nchw(y),
@@ -66,10 +58,10 @@ class Convolution2D(chainer.FunctionNode):
         grads = {}
         if 0 in indexes:
             grads[0] = to_nchw(convolution.grad_x(gy, w, self._x_shape, self.stride, self.pad,
-                                                  _threads()))
+                                                  sharing.threads()))
         if 1 in indexes:  # the bias gradient comes with it out of the same GEMMs
             grads[1], grads[2] = convolution.grad_w(self._xp, gy, *w.shape[2:], self.stride,
-                                                    bias=2 in indexes, threads=_threads())
+                                                    bias=2 in indexes, threads=sharing.threads())
         elif 2 in indexes:
             grads[2] = gy.reshape(-1, gy.shape[-1]).sum(axis=0)
         return tuple(chainer.Variable(grads[i]) for i in indexes)
@@ -91,7 +83,8 @@ class MaxPooling2D(chainer.FunctionNode):
         x = to_nhwc(inputs[0])
         # no graph (inference): no backward will come, so skip the argmax bookkeeping
         y, self._state = pooling.max_pool(x, self.ksize, self.stride, self.pad, self.cover_all,
-                                          with_arg=chainer.config.enable_backprop)
+                                          with_arg=chainer.config.enable_backprop,
+                                          threads=sharing.threads())
         self._x_shape = x.shape
         return to_nchw(y),
 

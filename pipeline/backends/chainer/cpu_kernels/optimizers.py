@@ -9,14 +9,15 @@ Each element sees exactly Chainer's operations with the same operand types (the 
 Chainer's, applied to views), so the result is the same bits; ``install()`` puts it on
 ``AdamRule``, and a parameter our kernels are not on (``cpu_kernels "chainer"``, CuPy, a
 non-contiguous array, float16, AMSGrad, AdaBound) goes to Chainer's own. MomentumSGD's three
-operations gained nothing measurable this way (6.2 vs 5.7-6.0 ms) and stay Chainer's.
+operations gained nothing measurable this way (6.2 vs 5.7-6.0 ms) and stay Chainer's. With
+``cpu_kernel_threads`` > 1 the slices are shared among threads (``cpu_kernels.sharing``).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from pipeline.backends.chainer.compat import chainer
-from pipeline.backends.chainer.cpu_kernels import use_ours
+from pipeline.backends.chainer.cpu_kernels import sharing, use_ours
 
 # Elements per slice: Adam's 4 arrays and its temporaries of 64 K float32 fit the 2 MiB L2 here;
 # 8 K, 16 K, 32 K, 64 K, 128 K took 32, 26, 23, 23, 22 ms for the update above.
@@ -50,12 +51,15 @@ def adam_update_core_cpu(rule, param):
     rule._check_eps(param.dtype.type)
     data, grad, m, v = flat
     alpha_t, axpby = rule.alpha_t, _adam._inplace_axpby
-    for s in _slices(data.size):
-        g, ms, vs = grad[s], m[s], v[s]
-        axpby(ms, 1.0, 1.0 - hp.beta1, g - ms)
-        axpby(vs, 1.0, 1.0 - hp.beta2, g * g - vs)
-        step = alpha_t / (np.sqrt(vs) + hp.eps)
-        axpby(data[s], 1.0 - hp.eta * hp.weight_decay_rate, -hp.eta, step * ms)
+
+    def update(slices):  # slices are disjoint: shared among threads, the same bits
+        for s in slices:
+            g, ms, vs = grad[s], m[s], v[s]
+            axpby(ms, 1.0, 1.0 - hp.beta1, g - ms)
+            axpby(vs, 1.0, 1.0 - hp.beta2, g * g - vs)
+            step = alpha_t / (np.sqrt(vs) + hp.eps)
+            axpby(data[s], 1.0 - hp.eta * hp.weight_decay_rate, -hp.eta, step * ms)
+    sharing.run(update, sharing.deal(_slices(data.size), sharing.threads()))
 
 
 def install() -> None:

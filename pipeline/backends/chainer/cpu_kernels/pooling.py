@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipeline.backends.chainer.cpu_kernels import sharing
 from pipeline.backends.chainer.cpu_kernels.layout import out_size
 
 
@@ -149,12 +150,7 @@ def _max1d_grad(gy, arg, axis: int, size: int, k: int, s: int, p: int):
     return _scatter1d(gy, axis, size, k, s, p, part)
 
 
-def max_pool(x, ksize: tuple, stride: tuple, pad: tuple, cover_all: bool = True,
-             with_arg: bool = True):
-    """(N, H, W, C) -> (y (N, Ho, Wo, C), state for ``max_pool_grad``); padding never wins.
-
-    ``with_arg=False`` (inference) skips the argmax bookkeeping and returns no state.
-    """
+def _max_pool(x, ksize: tuple, stride: tuple, pad: tuple, cover_all: bool, with_arg: bool):
     (kh, kw), (sy, sx), (ph, pw) = ksize, stride, pad
     n, h, w, c = x.shape
     ho, wo = out_size(h, kh, sy, ph, cover_all), out_size(w, kw, sx, pw, cover_all)
@@ -163,12 +159,59 @@ def max_pool(x, ksize: tuple, stride: tuple, pad: tuple, cover_all: bool = True,
     return y, ((arg_w, arg_h) if with_arg else None)
 
 
-def max_pool_grad(gy, state, x_shape: tuple, ksize: tuple, stride: tuple, pad: tuple):
-    """gy (N, Ho, Wo, C) -> gx (N, H, W, C): each output's gradient to its window's argmax."""
+def _max_pool_grad(gy, state, x_shape: tuple, ksize: tuple, stride: tuple, pad: tuple):
     (kh, kw), (sy, sx), (ph, pw) = ksize, stride, pad
     arg_w, arg_h = state
     gt = _max1d_grad(gy, arg_h, 1, x_shape[1], kh, sy, ph)
     return _max1d_grad(gt, arg_w, 2, x_shape[2], kw, sx, pw)
+
+
+def _by_images(fn, n: int, shape: tuple, dtype, threads: int):
+    """(output of shape ``shape``, [fn(lo, hi) for each part]) with ``fn`` returning (out part,
+    extra) for images [lo, hi): one call for one thread, else contiguous parts of the batch
+    shared among threads (``cpu_kernels.sharing``), each part's out copied into place. Every
+    image sees the one-thread operations: the same bits."""
+    parts = sharing.ranges(n, threads)
+    if len(parts) == 1:
+        out, extra = fn(0, n)
+        return out, [extra]
+    out = np.empty(shape, dtype)
+
+    def run(share):
+        extras = []
+        for lo, hi in share:
+            part, extra = fn(lo, hi)
+            out[lo:hi] = part
+            extras.append(extra)
+        return extras
+    return out, sharing.in_order(sharing.run(run, sharing.deal(parts, threads)))
+
+
+def max_pool(x, ksize: tuple, stride: tuple, pad: tuple, cover_all: bool = True,
+             with_arg: bool = True, threads: int = 1):
+    """(N, H, W, C) -> (y (N, Ho, Wo, C), state for ``max_pool_grad``); padding never wins.
+
+    ``with_arg=False`` (inference) skips the argmax bookkeeping and returns no state. With
+    ``threads`` > 1 the batch is cut into that many parts run on their own threads.
+    """
+    (kh, kw), (sy, sx), (ph, pw) = ksize, stride, pad
+    n, h, w, c = x.shape
+    ho, wo = out_size(h, kh, sy, ph, cover_all), out_size(w, kw, sx, pw, cover_all)
+    y, states = _by_images(
+        lambda lo, hi: _max_pool(x[lo:hi], ksize, stride, pad, cover_all, with_arg),
+        n, (n, ho, wo, c), x.dtype, threads)
+    return y, ((sharing.ranges(n, threads), states) if with_arg else None)
+
+
+def max_pool_grad(gy, state, x_shape: tuple, ksize: tuple, stride: tuple, pad: tuple):
+    """gy (N, Ho, Wo, C) -> gx (N, H, W, C): each output's gradient to its window's argmax."""
+    parts, states = state
+    by_start = {lo: st for (lo, _), st in zip(parts, states)}
+    gx, _ = _by_images(
+        lambda lo, hi: (_max_pool_grad(gy[lo:hi], by_start[lo], (hi - lo, *x_shape[1:]),
+                                       ksize, stride, pad), None),
+        x_shape[0], x_shape, gy.dtype, len(parts))
+    return gx
 
 
 def _sum1d(x, axis: int, k: int, s: int, p: int, length: int):
