@@ -38,6 +38,25 @@ def default_workers(threads_per_worker: int, gpu_workers: int = 0, loader_worker
     return max(1, (CPU_COUNT - gpu_workers - loader_workers) // threads_per_worker)
 
 
+def threads_per_worker(cfg: ClusterConfig, replicas: int, kernels: str, gpus=()) -> int:
+    """``cfg.threads_per_worker``, or when it is None (auto): 1 (one replica per one-thread
+    worker: ``ipm`` K=2 on two one-thread workers ran 1.6-1.8x one), except for one replica on
+    a CPU-only local cluster with our CPU kernels, whose train tasks then get all the cores in one
+    worker: its kernels share them with the bits of one thread (``Backend.using_threads``;
+    cifar10-2015 ``single`` 1.32x one thread on 2 cores, docs/benchmarks.md).
+
+    >>> threads_per_worker(ClusterConfig(threads_per_worker=3), 1, "ours")
+    3
+    >>> threads_per_worker(ClusterConfig(), 2, "ours")
+    1
+    """
+    if cfg.threads_per_worker is not None:
+        return cfg.threads_per_worker
+    alone = (replicas == 1 and kernels == "ours" and not gpus and not cfg.workers
+             and not cfg.loader_workers and not cfg.scheduler)
+    return max(1, CPU_COUNT) if alone else 1
+
+
 def local_gpus() -> list[str]:
     """CUDA device ids an embedded cluster can give one GPU worker each; [] without GPUs.
 
@@ -141,7 +160,7 @@ def check_capacity(processes: int, cores: int = CPU_COUNT, available: int | None
 
 
 def _new_embedded(cfg: ClusterConfig, gpus: list[str], roles: Roles) -> distributed.SpecCluster:
-    threads, loaders = cfg.threads_per_worker, cfg.loader_workers
+    threads, loaders = cfg.threads_per_worker or 1, cfg.loader_workers
     n_cpu = cfg.workers or default_workers(threads, len(gpus), loaders)
     check_capacity(n_cpu + loaders + len(gpus) * cfg.gpu_workers_per_device)
     if not gpus and not loaders:

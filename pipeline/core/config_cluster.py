@@ -34,9 +34,12 @@ class ClusterConfig:
     workers: int | None = opt(None, "local cluster: CPU worker processes", flag="--workers",
                               metavar="N", none="the cores that GPU and loader workers leave, "
                               "over --threads-per-worker")
-    threads_per_worker: int = opt(1, "local cluster: threads per worker process (= BLAS threads "
-                                  "per task)", flag="--threads-per-worker", metavar="N",
-                                  unit="threads")
+    threads_per_worker: int | None = opt(None, "local cluster: threads per worker process (a "
+                                         "train task gets its worker's threads over the "
+                                         "replicas placed there)", flag="--threads-per-worker",
+                                         metavar="N", unit="threads",
+                                         none="1, or all the cores in one worker for one "
+                                         "replica on CPU with our kernels")
     dashboard_address: str = opt("127.0.0.1:8787", "local cluster: where its dashboard listens "
                                  "(port 0: any free port; a busy port falls back to a free one)",
                                  flag="--dashboard-address", metavar="HOST:PORT")
@@ -91,8 +94,8 @@ class ClusterConfig:
         check_types(self, "cluster.")
         check(self.workers is None or 1 <= self.workers <= 1024, "cluster.workers",
                "must be in [1, 1024]", self.workers)
-        check(1 <= self.threads_per_worker <= 1024, "cluster.threads_per_worker",
-               "must be in [1, 1024]", self.threads_per_worker)
+        check(self.threads_per_worker is None or 1 <= self.threads_per_worker <= 1024,
+              "cluster.threads_per_worker", "must be in [1, 1024]", self.threads_per_worker)
         tls = (self.tls_ca_file, self.tls_cert, self.tls_key)
         check(all(tls) or not any(tls), "cluster.tls", "needs all of ca file, cert and key", tls)
         in_range(self.connect_timeout, 0, DAY_S, "cluster.connect_timeout", closed_lo=False)

@@ -10,6 +10,7 @@ timing is ``telemetry``; the files are ``pipeline.outputs.run_dir``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -90,11 +91,14 @@ def train(config: Config, client=None, *, model=None, data=None, resume: bool = 
     if prep is not None and prep.complete:
         return _already_complete(config, out, prep, log)
     from pipeline.cluster.connection import connect
-    from pipeline.cluster.embedded import Roles
+    from pipeline.cluster.embedded import Roles, threads_per_worker
     with contextlib.ExitStack() as stack:
         if client is None:
             roles = Roles(config.augment.resource, config.train.cpu_resource)
-            client = stack.enter_context(connect(config.cluster, log=log, gpus=gpus, roles=roles))
+            threads = threads_per_worker(config.cluster, config.train.replicas,
+                                         config.model.cpu_kernels, gpus)
+            local = dataclasses.replace(config.cluster, threads_per_worker=threads)
+            client = stack.enter_context(connect(local, log=log, gpus=gpus, roles=roles))
         from pipeline.cluster import blas
         blas.check(client, config.cluster.blas_kernel, log, restart=True,
                    timeout=max(60.0, config.cluster.connect_timeout))  # workers re-import

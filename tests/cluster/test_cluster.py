@@ -330,3 +330,19 @@ def test_tls_client_refuses_a_scheduler_from_an_unknown_ca(tls_cluster, tmp_path
     stranger = make_tls(tmp_path, roles=("client",), ca_name="stranger-ca")["client"]
     _refused(tls_cluster, _tls_cfg(stranger, scheduler=tls_cluster.address, connect_timeout=2),
              "within 2 s: TLS certificate does not match")
+
+
+def test_auto_threads_give_one_replica_all_the_cores_and_several_one_thread_workers():
+    """Left open, --threads-per-worker is 1 (a replica per one-thread worker) except for one
+    replica on a CPU-only local cluster with our kernels: one worker with every core."""
+    from dask.system import CPU_COUNT
+
+    from pipeline.cluster.embedded import threads_per_worker
+    auto = ClusterConfig()
+    assert threads_per_worker(auto, 1, "ours") == CPU_COUNT
+    assert threads_per_worker(auto, 2, "ours") == 1
+    assert threads_per_worker(auto, 1, "chainer") == 1  # BLAS threads would change its bits
+    assert threads_per_worker(auto, 1, "ours", gpus=["0"]) == 1
+    for given in ({"workers": 2}, {"loader_workers": 1}, {"scheduler": "tcp://127.0.0.1:1"}):
+        assert threads_per_worker(ClusterConfig(**given), 1, "ours") == 1, given
+    assert threads_per_worker(ClusterConfig(threads_per_worker=1), 1, "ours") == 1
