@@ -16,11 +16,11 @@ from pipeline.backends.chainer import compat
 from pipeline.backends.chainer.compat import F, chainer
 from pipeline.backends.chainer.cpu_kernels import stock as stock_kernels
 from pipeline.backends.chainer.gpu_kernels import fused_update
-from pipeline.core.threads import limit_blas_threads
 from pipeline.backends.chainer.state import (build, cached_model, get_optimizer_state,
                                              get_state, load_npz, make_optimizer, param_keys,
                                              set_lr, set_optimizer_state, set_state,
                                              setup_optimizer)
+from pipeline.core.threads import limit_blas_threads
 
 _CHAINER_DEVICE = {"cpu": "@numpy", "gpu": "@cupy:0"}
 _MALLOC_TUNED = False
@@ -269,11 +269,13 @@ class ChainerBackend:
 
     @contextlib.contextmanager
     def using_threads(self, threads, spec):
-        """On a CPU with our kernels, ``threads`` > 1 share each convolution's im2col chunks
-        (``chainer.config.cpu_kernel_threads``) over one BLAS thread: the bits of one thread at
-        any count, where BLAS on n threads splits some products' sums and rounds otherwise. Two
-        cores, one cifar10-2015 step: 1.31x one thread (2 BLAS threads: 1.32x, other bits);
-        resnet20 1.36x (1.11x); docs/benchmarks.md. Elsewhere BLAS gets the threads."""
+        """On a CPU with our kernels, ``threads`` > 1 share each convolution's im2col chunks,
+        max pooling's images and Adam's slices (``chainer.config.cpu_kernel_threads``,
+        ``cpu_kernels.sharing``) over one BLAS thread: the bits of one thread at any count,
+        where BLAS on n threads splits some products' sums and rounds otherwise. Two cores:
+        cifar10-2015 ``single`` 1.14-1.34x a one-thread worker in a training run; one step
+        1.31x, where 2 BLAS threads gave 1.32x and other bits (docs/benchmarks.md). Elsewhere
+        BLAS gets the threads."""
         ours = spec.device == "cpu" and spec.cpu_kernels == "ours"
         with limit_blas_threads(1 if ours else threads), \
                 chainer.using_config("cpu_kernel_threads", threads if ours else 1):
