@@ -15,28 +15,45 @@ BASE = {"data.source": "synthetic:192:32", "model.name": "small-cnn", "train.str
         "cluster.pin_replicas": True}
 
 
+def _stream(dask_scheduler):
+    from distributed.diagnostics.task_stream import TaskStreamPlugin
+    if TaskStreamPlugin.name not in dask_scheduler.plugins:
+        dask_scheduler.add_plugin(TaskStreamPlugin(dask_scheduler))
+    return dask_scheduler.plugins[TaskStreamPlugin.name]
+
+
+def _stream_index(dask_scheduler) -> int:
+    return _stream(dask_scheduler).index
+
+
+def _records_since(index: int, dask_scheduler) -> list:
+    """(key, worker) of every task-stream record appended after the count ``index``: by
+    position, not by the workers' clocks (a time window dropped a record of a run in CI)."""
+    plugin = _stream(dask_scheduler)
+    new = list(plugin.buffer)[len(plugin.buffer) - min(plugin.index - index, len(plugin.buffer)):]
+    return [(rec["key"], rec["worker"]) for rec in new]
+
+
 class _Where:
     """A run-output hook that reads, before the run ends, which worker ran each augment- and
     train- task of this run (by (stage, round, replica))."""
 
     def start(self, info):
-        import time
-        self.client, self.since = info.client, time.time() - 1  # this run's records only
+        self.client = info.client
+        self.first = self.client.run_on_scheduler(_stream_index)  # this run's records only
 
     def __call__(self, line):
         pass
 
     def close(self):
         self.workers = {}
-        import time
-        for rec in self.client.get_task_stream(start=self.since, stop=time.time() + 1):
-            key = rec["key"]
+        for key, worker in self.client.run_on_scheduler(_records_since, self.first):
             if isinstance(key, tuple) and len(key) == 3 and \
                     keys.stage_of(key) in ("augment", "train"):
-                self.workers.setdefault(key[0], {})[key[1:]] = rec["worker"]
+                self.workers.setdefault(key[0], {})[key[1:]] = worker
             if isinstance(key, tuple) and keys.stage_of(key) == "average" and \
                     all(isinstance(c, int) for c in key[1:]):  # a tree node: round, level, i
-                self.workers.setdefault(key[0], {})[key[1:]] = rec["worker"]
+                self.workers.setdefault(key[0], {})[key[1:]] = worker
 
 
 def _run(client, **fields):
