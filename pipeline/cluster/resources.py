@@ -165,8 +165,18 @@ def _dashboard_link(client: distributed.Client) -> str | None:
         return None
 
 
+def _count(n: int, word: str) -> str:
+    """``n word``, plural unless n is 1.
+
+    >>> _count(1, "worker"), _count(2, "thread")
+    ('1 worker', '2 threads')
+    """
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def summary_line(what: str, client: distributed.Client) -> str:
     d = describe(client)
     res = " ".join(f"{k}={v:g}" for k, v in d["resources"].items()) or "none"
-    return (f"{what} {d['scheduler']}: {d['workers']} workers, {d['threads']} threads, "
+    return (f"{what} {d['scheduler']}: {_count(d['workers'], 'worker')}, "
+            f"{_count(d['threads'], 'thread')}, "
             f"resources {res}; dashboard {d['dashboard'] or '(off)'}")
