@@ -8,8 +8,9 @@ while ``chainer.config.gpu_kernels`` is ``"cudnn"`` and the cuDNN frontend is in
 else (ChainerX/iDeep arrays, ``"chainer"``, a shape cuDNN cannot run) goes to Chainer's own
 functions. The switches are Chainer config entries, like Chainer's own ``use_cudnn``/``use_ideep``:
 a task sets ``chainer.using_config("cpu_kernels", spec.cpu_kernels)``. A third,
-``cpu_kernel_threads`` (default 1), shares each convolution's im2col chunks among that many
-threads; with BLAS at one thread the result is the same bits as with one.
+``cpu_kernel_threads`` (default 1), shares each convolution's im2col chunks, max pooling's
+images and Adam's slices among that many threads (``cpu_kernels.sharing``; the backend sets it
+from a task's threads); with BLAS at one thread the result is the same bits as with one.
 
 >>> import numpy as np
 >>> x = np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4)
