@@ -167,14 +167,14 @@ def _max_pool_grad(gy, state, x_shape: tuple, ksize: tuple, stride: tuple, pad: 
 
 
 def _by_images(fn, n: int, shape: tuple, dtype, threads: int):
-    """(output of shape ``shape``, [fn(lo, hi) for each part]) with ``fn`` returning (out part,
-    extra) for images [lo, hi): one call for one thread, else contiguous parts of the batch
-    shared among threads (``cpu_kernels.sharing``), each part's out copied into place. Every
-    image sees the one-thread operations: the same bits."""
+    """(output of shape ``shape``, [(lo, hi, fn's extra) for each part]) with ``fn(lo, hi)``
+    returning (out part, extra) for images [lo, hi): one call for one thread, else contiguous
+    parts of the batch shared among threads (``cpu_kernels.sharing``), each part's out copied
+    into place. Every image sees the one-thread operations: the same bits."""
     parts = sharing.ranges(n, threads)
     if len(parts) == 1:
         out, extra = fn(0, n)
-        return out, [extra]
+        return out, [(0, n, extra)]
     out = np.empty(shape, dtype)
 
     def run(share):
@@ -182,7 +182,7 @@ def _by_images(fn, n: int, shape: tuple, dtype, threads: int):
         for lo, hi in share:
             part, extra = fn(lo, hi)
             out[lo:hi] = part
-            extras.append(extra)
+            extras.append((lo, hi, extra))
         return extras
     return out, sharing.in_order(sharing.run(run, sharing.deal(parts, threads)))
 
@@ -197,20 +197,19 @@ def max_pool(x, ksize: tuple, stride: tuple, pad: tuple, cover_all: bool = True,
     (kh, kw), (sy, sx), (ph, pw) = ksize, stride, pad
     n, h, w, c = x.shape
     ho, wo = out_size(h, kh, sy, ph, cover_all), out_size(w, kw, sx, pw, cover_all)
-    y, states = _by_images(
+    y, parts = _by_images(
         lambda lo, hi: _max_pool(x[lo:hi], ksize, stride, pad, cover_all, with_arg),
         n, (n, ho, wo, c), x.dtype, threads)
-    return y, ((sharing.ranges(n, threads), states) if with_arg else None)
+    return y, (parts if with_arg else None)
 
 
 def max_pool_grad(gy, state, x_shape: tuple, ksize: tuple, stride: tuple, pad: tuple):
     """gy (N, Ho, Wo, C) -> gx (N, H, W, C): each output's gradient to its window's argmax."""
-    parts, states = state
-    by_start = {lo: st for (lo, _), st in zip(parts, states)}
+    by_start = {lo: st for lo, _, st in state}  # the forward's parts: the same cuts again
     gx, _ = _by_images(
         lambda lo, hi: (_max_pool_grad(gy[lo:hi], by_start[lo], (hi - lo, *x_shape[1:]),
                                        ksize, stride, pad), None),
-        x_shape[0], x_shape, gy.dtype, len(parts))
+        x_shape[0], x_shape, gy.dtype, len(state))
     return gx
 
 
