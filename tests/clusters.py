@@ -444,8 +444,7 @@ class Dashboard:
         """Open another dashboard page, e.g. "/individual-fine-performance-metrics"."""
         base = self.url.split("://", 1)[0] + "://" + self.url.split("://", 1)[1].split("/", 1)[0]
         self.url = base + path
-        self.page.goto(self.url, timeout=timeout * 1000)
-        self.page.wait_for_function(_BOKEH_READY_JS, timeout=timeout * 1000)
+        _load(self.page, self.url, timeout)
 
     def wait_for(self, read, expected=frozenset(), timeout: float = 30.0) -> set[str]:
         """Poll `read()` (a method above) until it holds all of `expected` (anything when empty)
@@ -478,9 +477,26 @@ def open_dashboard(url: str, timeout: float = 30.0) -> Iterator[Dashboard]:
     before submitting the job to watch (or call `record_task_stream(client)`).
     """
     with chromium_page() as page:
-        page.goto(url, timeout=timeout * 1000)
-        page.wait_for_function(_BOKEH_READY_JS, timeout=timeout * 1000)
+        _load(page, url, timeout)
         yield Dashboard(page, url)
+
+
+def _load(page, url: str, timeout: float) -> None:
+    """Open `url` and wait for its Bokeh document; once more if the first load never gets one.
+
+    distributed 2026.8's /status can fail to render with an error inside distributed itself
+    ("'str' object has no attribute 'text'" in ClusterMemory.update: the page is a 500 and
+    Bokeh never starts); seen once in a CI run, and a fresh document renders.
+    """
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    for attempt in (0, 1):
+        page.goto(url, timeout=timeout * 1000)
+        try:
+            page.wait_for_function(_BOKEH_READY_JS, timeout=timeout * 1000 / 2)
+            return
+        except PlaywrightTimeout:
+            if attempt:
+                raise
 
 
 def dashboard_stage_names(url: str, expected=frozenset(), timeout: float = 30.0,
