@@ -52,6 +52,7 @@ def main(argv=None):
                    help="any other config field (repeatable), e.g. cluster.pin_replicas=false")
     a = p.parse_args(argv)
     from pipeline import train
+    from pipeline.training import task_stream
     extra = {}
     for item in a.set:
         name, value = item.split("=", 1)
@@ -61,14 +62,13 @@ def main(argv=None):
     cfg = bench_config(a, **{"train.strategy": a.strategy, "train.replicas": a.replicas,
                              "train.optimizer": a.optimizer, "augment.policy": "cifar",
                              "train.lr": 1e-3 if a.optimizer == "adam" else a.lr, **extra})
-    with local_client(a.workers, a.threads) as client:
-        client.get_task_stream(start=time.time(), stop=time.time())  # registers the plugin
+    with local_client(a.workers, a.threads) as client, task_stream.reader(client) as stream:
         start = time.time()
         sent = _bytes_sent(client)
         result = train(cfg, client=client, log=lambda m: None)
         wall = time.time() - start
         sent = _bytes_sent(client) - sent
-        records = client.get_task_stream(start=start - 1, stop=time.time() + 1)
+        records = stream()  # this run's records, by the stream's append count
     figures = breakdown(records)
     for rec in records if a.detail else ():
         if str(rec.get("key")).find(a.detail) >= 0:

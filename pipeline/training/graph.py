@@ -8,7 +8,6 @@ of its name, so the dashboard's fine performance metrics split time by stage too
 """
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import distributed
@@ -411,29 +410,3 @@ class RoundGraph:
 def futures_of(values) -> list:
     """Every future held in (nested containers of) ``values``."""
     return distributed.futures_of(values)
-
-
-@contextlib.contextmanager
-def task_stream(client: distributed.Client):
-    """Yields a function returning the task-stream records not returned before (stage timing).
-
-    The first call registers the scheduler's task-stream plugin, so it is made on entry. Windows
-    overlap by a second (clocks of scheduler and driver differ a little); records are de-duplicated.
-    """
-    import time
-    client.get_task_stream(start=time.time(), stop=time.time())
-    mark, seen = [time.time() - 1.0], set()
-
-    def since_last():
-        now = time.time()
-        records = client.get_task_stream(start=mark[0] - 1.0, stop=now + 1.0)
-        mark[0] = now
-        fresh = []
-        for rec in records:
-            ident = (str(rec.get("key")), tuple(ss.get("start") for ss in rec.get("startstops", ())))
-            if ident not in seen:
-                seen.add(ident)
-                fresh.append(rec)
-        return fresh
-
-    yield since_last

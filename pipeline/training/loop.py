@@ -198,14 +198,14 @@ class _Loop:
         self.workers = recovery.roster(client)  # {address: name}: who left or came back
 
     def run(self) -> TrainOutput:
-        from pipeline.training import graph
+        from pipeline.training import task_stream
         info = RunInfo(self.client, self.config, self.out.path, self.rounds, self.ctx.per_epoch,
                        self.ctx.n_classes, prepare.dataset_label(self.config.data.source),
                        self.history, self.log, first_round=self.anchor.round + 1)
         for extension in self.extensions:
             extension.initialize(info)
         try:
-            with graph.task_stream(self.client) as stream, \
+            with task_stream.reader(self.client) as stream, \
                     recovery.quiet_connection_loss() as quiet:
                 state = self._recovering(stream, quiet)
         except BaseException as exc:
