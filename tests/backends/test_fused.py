@@ -1,0 +1,77 @@
+"""BatchNorm's compiled passes (``cpu_kernels.fused``): the bits of their NumPy reference, which
+is what a machine without Numba runs, for every shape, dtype and value range."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from pipeline.backends.chainer.cpu_kernels import fused, normalization
+
+EXAMPLES = settings(max_examples=60, deadline=None, derandomize=True, database=None)
+
+
+def test_numba_is_there_and_compiles():
+    """A declared requirement: without it training runs the reference, same bits, slower."""
+    assert fused.compiled()
+
+
+def _passes(x, gy, gamma, beta, use_compiled):
+    dtype = x.dtype
+    mean, var = fused.statistics(x, use_compiled)
+    inv_std = np.reciprocal(np.sqrt(var + dtype.type(2e-5), dtype=dtype))
+    y, x_hat = fused.normalize(x, mean, inv_std, gamma, beta, use_compiled)
+    gbeta, ggamma = fused.grad_sums(gy, x_hat, use_compiled)
+    scale = gamma * inv_std
+    gx = fused.grad_x(gy, x_hat, scale, scale * ggamma, scale * gbeta, use_compiled)
+    return mean, var, y, x_hat, gbeta, ggamma, gx
+
+
+@EXAMPLES
+@given(m=st.integers(1, 700), c=st.integers(1, 70), dtype=st.sampled_from([np.float32, np.float64]),
+       scale=st.sampled_from([1e-3, 1.0, 1e4]), offset=st.sampled_from([0.0, 3.0, -1e3]),
+       seed=st.integers(0, 2**16))
+def test_the_compiled_passes_give_the_references_bits(m, c, dtype, scale, offset, seed):
+    r = np.random.default_rng(seed)
+    x = (r.standard_normal((m, c)) * scale + offset).astype(dtype)
+    gy, gamma, beta = (r.standard_normal(s).astype(dtype) for s in ((m, c), c, c))
+    for ours, ref in zip(_passes(x, gy, gamma, beta, True), _passes(x, gy, gamma, beta, False)):
+        assert ours.dtype == ref.dtype == dtype
+        np.testing.assert_array_equal(ours, ref)
+
+
+def test_the_sums_are_sequential_in_float64():
+    """Row by row in float64, rounded once: 1 + 1000 * 1e-8 is 1.00001 (a float32 running sum
+    stays at 1.0)."""
+    x = np.full((1001, 2), 1e-8, np.float32)
+    x[0] = 1.0
+    mean, _ = fused.statistics(x)
+    s = np.float64(1.0)
+    for v in x[1:, 0]:
+        s += np.float64(v)
+    assert mean[0] == np.float32(s / 1001) and mean[1] == mean[0]
+
+
+def test_batch_normalization_without_numba_is_the_same_bits(monkeypatch):
+    r = np.random.default_rng(5)
+    x, gy = (r.standard_normal((6400, 16)).astype(np.float32) for _ in range(2))
+    gamma, beta = r.standard_normal(16).astype(np.float32), r.standard_normal(16).astype(np.float32)
+
+    def run():
+        running = (np.zeros(16, np.float32), np.ones(16, np.float32))
+        y, x_hat, inv_std = normalization.forward(x, gamma, beta, 2e-5, running)
+        return (y, x_hat, inv_std, *running, *normalization.backward(gy, x_hat, gamma, inv_std))
+    compiled = run()
+    monkeypatch.setattr(fused, "_compiled", lambda: None)
+    assert not fused.compiled()
+    for a, b in zip(compiled, run()):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("layout", ["F", "strided"])
+def test_inputs_not_c_contiguous_are_read_as_their_values(layout):
+    r = np.random.default_rng(1)
+    x = r.standard_normal((300, 8)).astype(np.float32)
+    gamma, beta = r.standard_normal(8).astype(np.float32), r.standard_normal(8).astype(np.float32)
+    other = np.asfortranarray(x) if layout == "F" else np.repeat(x, 2, axis=1)[:, ::2]
+    for a, b in zip(normalization.forward(x, gamma, beta, 2e-5),
+                    normalization.forward(other, gamma, beta, 2e-5)):
+        np.testing.assert_array_equal(a, b)
