@@ -50,6 +50,24 @@ def test_the_sums_are_sequential_in_float64():
     assert mean[0] == np.float32(s / 1001) and mean[1] == mean[0]
 
 
+@pytest.mark.parametrize("c", [1, 2, 3, 16, 513])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sums_whose_order_shows_in_the_bits_agree(c, dtype):
+    """Values over 25 decades: a pairwise or blocked sum would give other bits than the loops'."""
+    r = np.random.default_rng(c)
+    m = 40000 // c + 7
+    x = (r.standard_normal((m, c)) * 10.0 ** r.integers(-8, 17, (m, c))).astype(dtype)
+    gy = (r.standard_normal((m, c)) * 10.0 ** r.integers(-8, 17, (m, c))).astype(dtype)
+    for ours, ref in zip((fused.statistics(x), fused.grad_sums(gy, x)),
+                         (fused.statistics(x, False), fused.grad_sums(gy, x, False))):
+        for a, b in zip(ours, ref):
+            np.testing.assert_array_equal(a, b)
+    s = np.zeros(c)
+    for row in x.astype(np.float64):
+        s += row
+    np.testing.assert_array_equal(fused.statistics(x)[0], (s / m).astype(dtype))
+
+
 def test_batch_normalization_without_numba_is_the_same_bits(monkeypatch):
     r = np.random.default_rng(5)
     x, gy = (r.standard_normal((6400, 16)).astype(np.float32) for _ in range(2))
