@@ -67,6 +67,27 @@ def test_convolution_matches_chainer(case):
                  lambda *a: F.convolution_2d(*a, stride=(sy, sx), pad=(ph, pw)), inputs, seed)
 
 
+@EXAMPLES
+@given(conv_cases)
+def test_im2col_pads_in_place_with_the_columns_of_a_padded_copy(case):
+    """The columns read from x as if padded are those of x copied into a padded array first."""
+    from pipeline.backends.chainer.cpu_kernels import convolution, layout
+    n, c, h, w, _, kh, kw, sy, sx, ph, pw, ones, seed = case
+    ho, wo = layout.out_size(h, kh, sy, ph), layout.out_size(w, kw, sx, pw)
+    if ho < 1 or wo < 1:
+        return
+    x = _rng(seed).standard_normal((n, h, w, c)).astype(np.float32)
+    xp = layout.pad_nhwc(x, ph, pw, max(ph, (ho - 1) * sy + kh - h - ph),
+                         max(pw, (wo - 1) * sx + kw - w - pw))
+    ranges = [(i, i + 1) for i in range(n)]
+    got = [col.copy() for *_, col in convolution._columns(x, kh, kw, sy, sx, ho, wo, (ph, pw),
+                                                          ones, ranges)]
+    want = [col.copy() for *_, col in convolution._columns(xp, kh, kw, sy, sx, ho, wo, (0, 0),
+                                                           ones, ranges)]
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("stride,pad,bias", [(1, 1, True), (2, 1, False), (1, 0, True),
                                              (3, 2, True)])
 def test_convolution_check_backward(stride, pad, bias):

@@ -45,8 +45,8 @@ class Convolution2D(chainer.FunctionNode):
     def forward_cpu(self, inputs):
         x, w = inputs[:2]
         b = inputs[2] if len(inputs) == 3 else None
-        y, self._xp = convolution.forward(to_nhwc(x), w, b, self.stride, self.pad,
-                                          sharing.threads())
+        y, self._x, self._x_pad = convolution.forward(to_nhwc(x), w, b, self.stride, self.pad,
+                                                      sharing.threads())
         self._x_shape = (x.shape[0], x.shape[2], x.shape[3], x.shape[1])  # NHWC
         self.retain_inputs((1,))
         return to_nchw(y),
@@ -60,8 +60,9 @@ class Convolution2D(chainer.FunctionNode):
             grads[0] = to_nchw(convolution.grad_x(gy, w, self._x_shape, self.stride, self.pad,
                                                   sharing.threads()))
         if 1 in indexes:  # the bias gradient comes with it out of the same GEMMs
-            grads[1], grads[2] = convolution.grad_w(self._xp, gy, *w.shape[2:], self.stride,
-                                                    bias=2 in indexes, threads=sharing.threads())
+            grads[1], grads[2] = convolution.grad_w(self._x, gy, *w.shape[2:], self.stride,
+                                                    self._x_pad, bias=2 in indexes,
+                                                    threads=sharing.threads())
         elif 2 in indexes:
             grads[2] = gy.reshape(-1, gy.shape[-1]).sum(axis=0)
         return tuple(chainer.Variable(grads[i]) for i in indexes)
