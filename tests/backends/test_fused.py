@@ -93,3 +93,67 @@ def test_inputs_not_c_contiguous_are_read_as_their_values(layout):
     for a, b in zip(normalization.forward(x, gamma, beta, 2e-5),
                     normalization.forward(other, gamma, beta, 2e-5)):
         np.testing.assert_array_equal(a, b)
+
+
+# ---- the ReLU gradient ------------------------------------------------------------------------
+
+def _relu_inputs(layout: str, dtype, seed: int = 0):
+    r = np.random.default_rng(seed)
+    shape = (3, 5, 4, 6)
+    gy = r.standard_normal(shape).astype(dtype)
+    y = np.maximum(r.standard_normal(shape), 0).astype(dtype)
+    gy.flat[:6] = [np.inf, -np.inf, np.nan, -0.0, 0.0, -2.0]  # with y = 0: NaN, NaN, NaN, -0, 0, -0
+    y.flat[:6] = 0.0
+    y.flat[6:9] = [np.nan, np.inf, -0.0]
+    if layout == "nhwc":  # what our kernels hand Chainer: NCHW shape, channels-last memory
+        gy, y = (np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2) for a in (gy, y))
+    elif layout == "fortran":
+        gy, y = np.asfortranarray(gy), np.asfortranarray(y)
+    elif layout == "mixed":  # not one layout: Chainer's expression
+        y = np.asfortranarray(y)
+    elif layout == "strided":
+        gy, y = (np.repeat(a, 2, axis=3)[..., ::2] for a in (gy, y))
+    return gy, y
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in multiply")  # inf * 0, as Chainer
+@pytest.mark.parametrize("layout", ["c", "nhwc", "fortran", "mixed", "strided"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_relu_gradient_is_chainers_bit_for_bit(layout, dtype):
+    gy, y = _relu_inputs(layout, dtype)
+    want = np.asarray(gy * (y > 0), dtype=dtype)  # ReLUGrad2.forward_cpu
+    for compiled in (True, False):
+        got = fused.relu_grad(gy, y, compiled)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+        assert np.array_equal(np.signbit(got), np.signbit(want))  # -0.0 where Chainer has it
+    if layout in ("c", "nhwc", "fortran"):  # one dense layout: the compiled loop, same order
+        assert fused.relu_grad(gy, y).strides == gy.strides
+
+
+def test_relu_in_a_graph_runs_ours_with_chainers_bits_and_double_backprop(monkeypatch):
+    from pipeline.backends.chainer.compat import F, chainer
+    from pipeline.backends.chainer.cpu_kernels import activations, stock
+    calls = []
+    ours = activations.relu_grad_forward_cpu
+    monkeypatch.setattr(activations, "relu_grad_forward_cpu",
+                        lambda node, inputs: calls.append(1) or ours(node, inputs))
+    r = np.random.default_rng(3)
+    x0 = r.standard_normal((2, 3, 4, 5)).astype(np.float32)
+
+    def grads():
+        x = chainer.Variable(x0.copy())
+        y = F.sum(F.relu(x) * F.relu(x))
+        gx, = chainer.grad([y], [x], enable_double_backprop=True)
+        ggx, = chainer.grad([F.sum(gx * gx)], [x])
+        return gx.array, ggx.array
+    with chainer.using_config("cpu_kernels", "chainer"):
+        want = grads()
+    stock.install()  # puts the (wrapped) relu_grad_forward_cpu on ReLUGrad2
+    try:
+        got = grads()
+    finally:
+        stock.uninstall()
+    assert calls and stock.installed() is False
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)

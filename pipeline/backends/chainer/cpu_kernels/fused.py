@@ -1,4 +1,4 @@
-"""BatchNorm's passes over (M, C) pixels as loops compiled by Numba, and a NumPy reference with their bits.
+"""BatchNorm's passes over (M, C) pixels and ReLU's gradient as loops compiled by Numba, and NumPy references with their bits.
 
 What fixes the bits: every per-channel sum runs over the rows in order (row 0 first) in
 float64, and every elementwise step is one IEEE operation in the array's dtype, in the order
@@ -84,7 +84,12 @@ def _compiled():
             for k in range(c):
                 gx[i, k] = gy[i, k] * scale[k] - (x_hat[i, k] * a[k] + b[k])
 
-    return sums, centred_square_sums, normalize, grad_sums, grad_x
+    @jit
+    def relu_grad(gy, y, one, zero, gx):
+        for i in range(gy.size):
+            gx[i] = gy[i] * (one if y[i] > 0 else zero)
+
+    return sums, centred_square_sums, normalize, grad_sums, grad_x, relu_grad
 
 
 def compiled() -> bool:
@@ -169,4 +174,28 @@ def grad_x(gy, x_hat, scale, a, b, use_compiled: bool = True) -> np.ndarray:
         return gx.reshape(m, c)
     gx = np.empty_like(gy)
     loops[4](gy, x_hat, scale, a, b, gx)
+    return gx
+
+
+def _flat(*arrays) -> list | None:
+    """1-D views of arrays of one shape and the same strides, in their memory order, or None
+    where one is not dense (an element-wise loop over them then needs no index arithmetic)."""
+    order = np.argsort([-abs(st) for st in arrays[0].strides], kind="stable")
+    views = [a.transpose(order) for a in arrays]
+    if any(a.strides != arrays[0].strides or not v.flags.c_contiguous
+           for a, v in zip(arrays, views)):
+        return None
+    return [v.reshape(-1) for v in views]
+
+
+def relu_grad(gy: np.ndarray, y: np.ndarray, use_compiled: bool = True) -> np.ndarray:
+    """gx = gy * (y > 0): Chainer's ReLU gradient (a bool mask times gy, so -0.0 where gy < 0
+    and the mask is off, NaN where gy is infinite), in one pass where ``gy`` and ``y`` share
+    a dense layout (the channels-last arrays our kernels hand Chainer)."""
+    loops = _compiled() if use_compiled else None
+    gx = np.empty_like(gy)  # gy's memory order
+    flat = None if loops is None or y.dtype != gy.dtype else _flat(gy, y, gx)
+    if flat is None:
+        return np.asarray(gy * (y > 0), dtype=gy.dtype)
+    loops[5](flat[0], flat[1], gy.dtype.type(1), gy.dtype.type(0), flat[2])
     return gx

@@ -11,7 +11,8 @@ default memory layout, dilation 1, one group, no ``cover_all`` convolution, no
 ``return_indices``, ...) and Chainer's own function otherwise, with the same arguments. Our
 own nets call ``cpu_kernels.functions`` directly, so installing changes none of their bits.
 ``install()`` also puts ``cpu_kernels.optimizers``' Adam update (the same bits, by slices) on
-Chainer's ``AdamRule``.
+Chainer's ``AdamRule`` and ``cpu_kernels.activations``' ReLU gradient (the same bits, one pass)
+on Chainer's ``ReLUGrad2``.
 
 What a stock net gives up on our kernels: double backprop (our FunctionNodes raise; set
 ``cpu_kernels`` to ``"chainer"``), and Chainer's ``FixedBatchNormalization`` runs whenever a
@@ -34,7 +35,7 @@ import threading
 import numpy as np
 
 from pipeline.backends.chainer.compat import chainer
-from pipeline.backends.chainer.cpu_kernels import functions, optimizers, use_ours
+from pipeline.backends.chainer.cpu_kernels import activations, functions, optimizers, use_ours
 
 # name -> the modules whose attribute of that name Chainer's links or users call through
 _HOMES = {
@@ -141,6 +142,7 @@ def install() -> None:
     with _LOCK:
         _point(DISPATCHERS)
         optimizers.install()
+        activations.install()
 
 
 def uninstall() -> None:
@@ -148,6 +150,7 @@ def uninstall() -> None:
     with _LOCK:
         _point(ORIGINAL)
         optimizers.uninstall()
+        activations.uninstall()
 
 
 def installed() -> bool:
