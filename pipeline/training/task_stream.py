@@ -32,8 +32,11 @@ def reader(client: distributed.Client):
             return records
     else:
         def read():
+            # the count before the read: what is appended between the two comes again next time
+            # (de-duplicated), and a buffer that overflowed leaves the cursor at its true place
+            now = client.sync(client.scheduler.get_task_stream_index)
             records = client.sync(client.scheduler.get_task_stream, start_index=cursor[0])
-            cursor[0] += len(records)  # short only if the buffer overflowed: read again, de-duplicated
+            cursor[0] = int(now)
             return records
 
     def since_last():

@@ -18,6 +18,7 @@ They release the GIL: two replicas as threads of one worker run theirs at once.
 from __future__ import annotations
 
 import functools
+import types
 
 import numpy as np
 
@@ -89,7 +90,9 @@ def _compiled():
         for i in range(gy.size):
             gx[i] = gy[i] * (one if y[i] > 0 else zero)
 
-    return sums, centred_square_sums, normalize, grad_sums, grad_x, relu_grad
+    return types.SimpleNamespace(sums=sums, centred_square_sums=centred_square_sums,
+                                 normalize=normalize, grad_sums=grad_sums, grad_x=grad_x,
+                                 relu_grad=relu_grad)
 
 
 def compiled() -> bool:
@@ -123,14 +126,14 @@ def statistics(x: np.ndarray, use_compiled: bool = True) -> tuple:
         s = _row_sums(x)
     else:
         s = np.zeros(c, np.float64)
-        loops[0](x, s)
+        loops.sums(x, s)
     mean = (s / max(m, 1)).astype(x.dtype)
     if loops is None:
         xw, r = wide(x, c)
         v = _row_sums(np.square(xw - np.tile(mean, r)).reshape(m, c))
     else:
         v = np.zeros(c, np.float64)
-        loops[1](x, mean, v)
+        loops.centred_square_sums(x, mean, v)
     return mean, (v / max(m, 1)).astype(x.dtype)
 
 
@@ -146,7 +149,7 @@ def normalize(x, mean, inv_std, gamma, beta, use_compiled: bool = True) -> tuple
         y += np.tile(beta, r)
         return y.reshape(m, c), x_hat.reshape(m, c)
     x_hat, y = np.empty_like(x), np.empty_like(x)
-    loops[2](x, mean, inv_std, gamma, beta, x_hat, y)
+    loops.normalize(x, mean, inv_std, gamma, beta, x_hat, y)
     return y, x_hat
 
 
@@ -157,7 +160,7 @@ def grad_sums(gy, x_hat, use_compiled: bool = True) -> tuple:
         gbeta, ggamma = _row_sums(gy), _row_sums(np.multiply(gy, x_hat))
     else:
         gbeta, ggamma = np.zeros(gy.shape[1], np.float64), np.zeros(gy.shape[1], np.float64)
-        loops[3](gy, x_hat, gbeta, ggamma)
+        loops.grad_sums(gy, x_hat, gbeta, ggamma)
     return gbeta.astype(gy.dtype), ggamma.astype(gy.dtype)
 
 
@@ -173,7 +176,7 @@ def grad_x(gy, x_hat, scale, a, b, use_compiled: bool = True) -> np.ndarray:
         gx -= tmp
         return gx.reshape(m, c)
     gx = np.empty_like(gy)
-    loops[4](gy, x_hat, scale, a, b, gx)
+    loops.grad_x(gy, x_hat, scale, a, b, gx)
     return gx
 
 
@@ -197,5 +200,5 @@ def relu_grad(gy: np.ndarray, y: np.ndarray, use_compiled: bool = True) -> np.nd
     flat = None if loops is None or y.dtype != gy.dtype else _flat(gy, y, gx)
     if flat is None:
         return np.asarray(gy * (y > 0), dtype=gy.dtype)
-    loops[5](flat[0], flat[1], gy.dtype.type(1), gy.dtype.type(0), flat[2])
+    loops.relu_grad(flat[0], flat[1], gy.dtype.type(1), gy.dtype.type(0), flat[2])
     return gx

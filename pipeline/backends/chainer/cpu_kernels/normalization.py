@@ -19,12 +19,13 @@ def forward(x, gamma, beta, eps: float, running=None, decay: float = 0.9):
 
     ``running = (avg_mean, avg_var)`` are updated in place as Chainer does.
     """
-    m, c = x.shape
+    m = x.shape[0]
     dtype = x.dtype
     x = np.ascontiguousarray(x)
     mean, var = fused.statistics(x)
     inv_std = np.reciprocal(np.sqrt(var + dtype.type(eps), dtype=dtype))
-    y, x_hat = fused.normalize(x, mean, inv_std, _vector(gamma), _vector(beta))
+    y, x_hat = fused.normalize(x, mean, inv_std, np.ascontiguousarray(gamma),
+                               np.ascontiguousarray(beta))
     if running is not None:
         avg_mean, avg_var = running
         adjust = m / max(m - 1., 1.)  # unbiased estimate for the running variance
@@ -45,14 +46,10 @@ def backward(gy, x_hat, gamma, inv_std):
     m = gy.shape[0]
     gy = np.ascontiguousarray(gy)
     gbeta, ggamma = fused.grad_sums(gy, x_hat)
-    scale = _vector(gamma * inv_std)
+    scale = np.ascontiguousarray(gamma * inv_std)
     inv_m = gy.dtype.type(1.0 / m)
     gx = fused.grad_x(gy, x_hat, scale, scale * ggamma * inv_m, scale * gbeta * inv_m)
     return gx, ggamma, gbeta
-
-
-def _vector(v: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(v)
 
 
 def fixed_forward(x, gamma, beta, mean, var, eps: float):
