@@ -38,12 +38,17 @@ class _Spy:
         from pipeline.cluster.resources import worker_resources
         self.resources = worker_resources(self.client)
         self.stages: dict[str, set] = {}
+        self.moves: dict = {}  # key -> worker of each shard prefetched to its train worker
         for rec in self.client.get_task_stream():
             stage = keys.stage_of(rec["key"]) if isinstance(rec["key"], tuple) else None
-            if stage and rec["key"][-1] == "move":  # a shard prefetched to its train worker
+            if stage and rec["key"][-1] == "move":
                 stage = "move"
+                self.moves[rec["key"]] = rec["worker"]
             if stage:
                 self.stages.setdefault(stage, set()).add(rec["worker"])
+        # tasks distributed's work stealing took from a busy worker to an idle one
+        self.stolen = {msg[1] for _, msg in self.client.get_events("stealing")
+                       if msg[0] == "confirm"}
 
 
 def test_loader_workers_load_trainers_train_and_the_bytes_stay(tmp_path, dask_client):
@@ -61,7 +66,10 @@ def test_loader_workers_load_trainers_train_and_the_bytes_stay(tmp_path, dask_cl
     trainer = next(a for a, r in roles.items() if "TRAIN" in r)
     assert spy.stages["decode"] == {loader} and spy.stages["augment"] == {loader}
     assert spy.stages["train"] == {trainer} and spy.stages["evaluate"] == {trainer}
-    assert spy.stages["move"] == {trainer}  # each shard went to the trainer ahead of its round
+    # each shard went to the trainer ahead of its round: a soft pin, so distributed's work
+    # stealing may hand a move to the idle loader while the trainer is busy (in a fresh-clone CI
+    # run a move ran there; the train- task then fetches that shard, the same bytes)
+    assert spy.moves and {w for k, w in spy.moves.items() if k not in spy.stolen} <= {trainer}
     assert any("train-/evaluate- tasks on the workers advertising TRAIN, decode-/augment- on "
                "those advertising CPU" in m for m in lines)
     a, b = split.params, plain.params
