@@ -425,7 +425,9 @@ def test_long_run_releases_every_key_and_byte(tmp_path, strategy):
         baseline = _worker_memory(client)
 
         def watch(line):
-            if line["round"] % 10 == 0:
+            # not at round 10: it still holds the start (the workers' first tasks import and load
+            # their compiled kernels; 157 tasks seen there for async, 46-53 at rounds 0 and 20)
+            if line["round"] % 10 == 0 and line["round"] != 10:
                 # the fewest of two looks 0.2 s apart, and of more for up to 2 s while that is
                 # over 100: a leak stays, a burst of releases the scheduler has not handled yet
                 # on a loaded machine does not (CI once read 129 at round 10 and 36-47 after
