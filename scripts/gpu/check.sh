@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU round trip for issue 27, run on the GPU machine in the repository root with .whl/ carried
-# (scripts/gpu/prepare.sh fills it): ~5.5 minutes on an H100 (278 s there on 2026-11-26, the bench step cut at 100 s; it needs ~115).
+# (scripts/gpu/prepare.sh fills it): ~5.5 minutes on an H100 (278 s there on 2026-11-26, with
+# the bench step cut at its old 100 s limit; it needs ~115).
 #
 #   bash scripts/gpu/check.sh
 #
