@@ -3,11 +3,13 @@
 For each model: batch ``--batch-size`` (100), Adam, one BLAS thread (threadpoolctl), the heap
 tuned as in a train- task (``chainer_backend._keep_heap_for_training``). A step is forward, softmax
 cross-entropy, backward and ``optimizer.update()``. Chainer's functions (``cpu_kernels
-"chainer"``) and ours run interleaved, ``--repeats`` rounds of ``--steps`` steps each, best
-round kept. The GEMM-only bound: every matrix product of one of our steps (our convolutions'
-products as issued, chunk by chunk, recorded through ``convolution.gemm``; the Linear layers'
-forward, gx and gW products) replayed alone on operands of the same shapes and memory orders, in
-the same run. Images/s by the wall clock and by this thread's CPU time (the machine is shared).
+"chainer"``), ours, and ours with oneDNN turned off (every convolution by im2col + BLAS,
+``onednn.turned_off``; the same as ours where oneDNN is not installed) run interleaved,
+``--repeats`` rounds of ``--steps`` steps each, best round kept. The GEMM-only bound is that of
+the im2col path: every matrix product of one of its steps (the convolutions' products as
+issued, chunk by chunk, recorded through ``convolution.gemm``; the Linear layers' forward, gx
+and gW products) replayed alone on operands of the same shapes and memory orders, in the same
+run; oneDNN's convolutions do not issue those products, so ours can pass that bound. Images/s by the wall clock and by this thread's CPU time (the machine is shared).
 Ours runs as the backend installs it (``cpu_kernels.stock.install()``: Adam's update by slices);
 a third interleaved run, ours with Chainer's own Adam update, gives that update's share.
 
@@ -215,18 +217,30 @@ def with_chainers_adam(step):
     return run
 
 
+def without_onednn(step):
+    """``step`` with every convolution by im2col + BLAS (``cpu_kernels.onednn.turned_off``)."""
+    from pipeline.backends.chainer.cpu_kernels import onednn
+
+    def run():
+        with onednn.turned_off():
+            step()
+    return run
+
+
 def bench_model(name: str, a, np) -> dict:
     chainer_step = make_trainer(name, "chainer", a.batch_size)
     ours_step = make_trainer(name, "ours", a.batch_size)
     ours_adam_step = with_chainers_adam(make_trainer(name, "ours", a.batch_size))
-    for step in (chainer_step, ours_step, ours_adam_step):
+    im2col_step = without_onednn(make_trainer(name, "ours", a.batch_size))
+    for step in (chainer_step, ours_step, ours_adam_step, im2col_step):
         step()  # warm-up: lazy allocations, heap growth
-    bound = replay(record_products(ours_step), np, np.random.default_rng(0))
+    bound = replay(record_products(im2col_step), np, np.random.default_rng(0))
     bound()
     best = collections.defaultdict(lambda: dict.fromkeys(CLOCKS, float("inf")))
     for _ in range(a.repeats):  # interleaved, best of each: the 2 cores are shared
         for label, fn, steps in (("chainer", chainer_step, a.steps), ("ours", ours_step, a.steps),
                                  ("ours_chainer_adam", ours_adam_step, a.steps),
+                                 ("ours_im2col", im2col_step, a.steps),
                                  ("gemm", bound, a.steps)):
             for clock, seconds in time_steps(fn, steps).items():
                 best[label][clock] = min(best[label][clock], seconds)
@@ -239,7 +253,8 @@ def bench_model(name: str, a, np) -> dict:
         gemm_seconds = {k: v / 3 for k, v in gemm_seconds.items()}
         gemm_seconds["total"] = sum(gemm_seconds.values())
         print_profile(name, {"chainer": profile_step(chainer_step),
-                             "ours": profile_step(ours_step), "ours GEMM": gemm_seconds})
+                             "ours": profile_step(ours_step),
+                             "im2col": profile_step(im2col_step), "im2col GEMM": gemm_seconds})
     return rates
 
 
@@ -264,26 +279,32 @@ def main(argv=None):
     with threadpool_limits(1):
         for name in a.models.split(","):
             figures[name] = bench_model(name, a, np)
-    print(f"\n{'model':14}{'clock':7}{'chainer':>10}{'ours':>10}{'gemm-only':>11}"
-          f"{'speedup':>9}{'of bound':>10}   (images/s)")
+    from pipeline.backends.chainer.cpu_kernels import onednn
+    print(f"\noneDNN: {onednn.version() or onednn.unavailable_reason()}")
+    print(f"{'model':14}{'clock':7}{'chainer':>10}{'ours':>10}{'im2col':>10}{'gemm-only':>11}"
+          f"{'speedup':>9}{'of bound':>10}{'onednn':>8}   (images/s)")
     out = {}
     for name, r in figures.items():
         for clock in sorted(CLOCKS, key=lambda c: c != a.clock):
             speedup = r["ours"][clock] / r["chainer"][clock]
             fraction = r["ours"][clock] / r["gemm"][clock]
             print(f"{name:14}{clock:7}{r['chainer'][clock]:10.1f}{r['ours'][clock]:10.1f}"
-                  f"{r['gemm'][clock]:11.1f}{speedup:9.2f}{fraction:10.3f}")
+                  f"{r['ours_im2col'][clock]:10.1f}{r['gemm'][clock]:11.1f}{speedup:9.2f}"
+                  f"{fraction:10.3f}{r['ours'][clock] / r['ours_im2col'][clock]:8.2f}")
         c = a.clock
         out[name] = {"chainer_img_s": round(r["chainer"][c], 1), "ours_img_s": round(r["ours"][c], 1),
                      "gemm_bound_img_s": round(r["gemm"][c], 1),
                      "speedup_vs_chainer": round(r["ours"][c] / r["chainer"][c], 3),
                      "fraction_of_gemm_bound": round(r["ours"][c] / r["gemm"][c], 3),
                      "ours_with_chainers_adam_img_s": round(r["ours_chainer_adam"][c], 1),
-                     "cpu_clock": {k: round(r[k]["cpu"], 1)
-                                   for k in ("chainer", "ours", "ours_chainer_adam", "gemm")}}
+                     "ours_im2col_img_s": round(r["ours_im2col"][c], 1),
+                     "onednn_over_im2col": round(r["ours"][c] / r["ours_im2col"][c], 3),
+                     "cpu_clock": {k: round(r[k]["cpu"], 1) for k in
+                                   ("chainer", "ours", "ours_chainer_adam", "ours_im2col", "gemm")}}
     goal = out.get("cifar10-2015")
     print("goals (cifar10-2015): speedup >= 2.3, fraction of the GEMM-only bound >= 0.55")
     emit({"bench": "cpu_kernels", "batch_size": a.batch_size, "threads": 1, "optimizer": "adam",
+          "onednn": onednn.version() or f"off: {onednn.unavailable_reason()}",
           "clock": a.clock, "steps": a.steps, "repeats": a.repeats, "models": out,
           "goals_met": None if goal is None else bool(goal["speedup_vs_chainer"] >= 2.3
                                                        and goal["fraction_of_gemm_bound"] >= 0.55)})

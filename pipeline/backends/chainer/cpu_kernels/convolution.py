@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.backends.chainer.cpu_kernels import sharing
+from pipeline.backends.chainer.cpu_kernels import onednn, sharing
 from pipeline.backends.chainer.cpu_kernels.layout import out_size, pad_nhwc
 
 # Bytes of one im2col chunk: a few images' columns stay in the 1 MiB L2 between the copy and the
@@ -164,6 +164,11 @@ def forward(x, w, b, stride: tuple, pad: tuple, threads: int = 1):
     n, h, wd, c = x.shape
     o, _, kh, kw = w.shape
     (sy, sx), (ph, pw) = stride, pad
+    if onednn.usable(x.dtype, w.shape, stride, pad, (h, wd)):
+        x = np.ascontiguousarray(x)
+        y = onednn.forward(x, w, b, tuple(stride), tuple(pad), threads)
+        if y is not None:
+            return y, x, tuple(pad)
     ho, wo = out_size(h, kh, sy, ph), out_size(wd, kw, sx, pw)
     x, source_pad = _source(x, pad)
     y = np.empty((n, ho, wo, o), x.dtype)
@@ -187,8 +192,12 @@ def grad_w(x, gy, kh: int, kw: int, stride: tuple, pad: tuple = (0, 0), bias: bo
     Recomputes the im2col columns chunk by chunk (a copy within L2) instead of keeping the
     forward pass's whole-batch matrix; the bias gradient comes out of the same GEMMs.
     """
-    n, _, _, c = x.shape
+    n, h, wd, c = x.shape
     _, ho, wo, o = gy.shape
+    if onednn.usable(x.dtype, (o, c, kh, kw), stride, pad, (h, wd)):
+        done = onednn.grad_w(x, gy, (o, c, kh, kw), tuple(stride), tuple(pad), bias, threads)
+        if done is not None:
+            return done
     sy, sx = stride
     gy2 = gy.reshape(-1, o)
     if kh == kw == 1 and tuple(pad) == (0, 0):
@@ -229,6 +238,10 @@ def grad_x(gy, w, x_shape: tuple, stride: tuple, pad: tuple, threads: int = 1):
     o, _, kh, kw = w.shape
     (sy, sx), (ph, pw) = stride, pad
     _, ho, wo, _ = gy.shape
+    if onednn.usable(gy.dtype, w.shape, stride, pad, (h, wd)):
+        gx = onednn.grad_x(gy, w, tuple(x_shape), tuple(stride), tuple(pad), threads)
+        if gx is not None:
+            return gx
     if (sy, sx) == (1, 1) and ph < kh and pw < kw:
         qh, qw = kh - 1 - ph, kw - 1 - pw
         # ho + 2*qh - kh + 1 == h exactly when the forward covered the input (true at stride 1)
