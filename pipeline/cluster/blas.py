@@ -7,6 +7,10 @@ any number of workers of one kind; on a cluster that mixes kinds they depend on 
 which replica. :func:`check` says so at the start of a run, and with ``cluster.blas_kernel`` every
 worker runs one kernel: the embedded cluster's workers are started with it, an external
 cluster's nannies restart their workers with it.
+
+oneDNN, which runs the convolutions on CPU workers, also picks its kernels by CPU (AVX2 or
+AVX-512): a pinned BLAS kernel pins oneDNN's instruction set with it (``ONEDNN_MAX_CPU_ISA``, the
+set of that kernel's CPUs: :func:`onednn_isa`), so one ``--blas-kernel`` gives one answer for both.
 """
 from __future__ import annotations
 
@@ -18,6 +22,13 @@ from typing import NamedTuple
 from pipeline.core.errors import ClusterError
 
 ENV = "OPENBLAS_CORETYPE"
+ONEDNN_ENV = "ONEDNN_MAX_CPU_ISA"
+# OpenBLAS kernel (lower case) -> the instruction set of its CPUs, as oneDNN names it
+_ISA = {**dict.fromkeys(("prescott", "core2", "penryn", "dunnington", "nehalem", "atom"), "SSE41"),
+        **dict.fromkeys(("sandybridge", "bulldozer", "piledriver", "steamroller", "excavator"),
+                        "AVX"),
+        **dict.fromkeys(("haswell", "zen"), "AVX2"),
+        **dict.fromkeys(("skylakex", "cooperlake", "sapphirerapids"), "AVX512_CORE")}
 
 
 class Blas(NamedTuple):
@@ -69,31 +80,50 @@ def _kinds(blas: dict[str, Blas]) -> str | None:
                      for b, w in groups.items())
 
 
+def onednn_isa(kernel: str | None) -> str | None:
+    """oneDNN's ``ONEDNN_MAX_CPU_ISA`` for the CPUs of an OpenBLAS kernel (None: leave it).
+
+    >>> onednn_isa("Haswell"), onednn_isa("SkylakeX"), onednn_isa(None), onednn_isa("ARMV8")
+    ('AVX2', 'AVX512_CORE', None, None)
+    """
+    return _ISA.get(kernel.lower()) if kernel else None
+
+
+def _pinned(kernel: str | None) -> dict:
+    """The environment a worker pinned to ``kernel`` starts with."""
+    if not kernel:
+        return {}
+    isa = onednn_isa(kernel)
+    return {ENV: kernel, **({ONEDNN_ENV: isa} if isa else {})}
+
+
 @contextlib.contextmanager
 def environ_kept():
-    """Put ``OPENBLAS_CORETYPE`` of this process back as it was on exit.
+    """Put ``OPENBLAS_CORETYPE`` and ``ONEDNN_MAX_CPU_ISA`` of this process back as they were.
 
     A nanny sets its ``pre-spawn-environ`` in its own process before it spawns a worker (the
     variable must be there before the worker imports NumPy): the embedded cluster's nannies live
     in the driver, so a pinned kernel would stay in the driver's environment and reach every
     process it starts later (another cluster, a test's subprocess)."""
-    before = os.environ.get(ENV)
+    before = {name: os.environ.get(name) for name in (ENV, ONEDNN_ENV)}
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def spawn_environ(kernel: str | None) -> dict:
     """Dask config that makes nannies start their workers with ``kernel`` (empty without one).
 
-    >>> spawn_environ("Haswell")
-    {'distributed.nanny.pre-spawn-environ.OPENBLAS_CORETYPE': 'Haswell'}
+    >>> spawn_environ("Haswell")  # doctest: +NORMALIZE_WHITESPACE
+    {'distributed.nanny.pre-spawn-environ.OPENBLAS_CORETYPE': 'Haswell',
+     'distributed.nanny.pre-spawn-environ.ONEDNN_MAX_CPU_ISA': 'AVX2'}
     """
-    return {f"distributed.nanny.pre-spawn-environ.{ENV}": kernel} if kernel else {}
+    return {f"distributed.nanny.pre-spawn-environ.{k}": v for k, v in _pinned(kernel).items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,9 +136,11 @@ def survey(client) -> dict[str, Blas]:
 
 
 def _set_kernel(kernel: str, dask_worker=None) -> None:
-    """Runs on a nanny: its next worker process starts with ``OPENBLAS_CORETYPE=kernel``."""
-    dask_worker.pre_spawn_env[ENV] = kernel
-    dask_worker.env[ENV] = kernel
+    """Runs on a nanny: its next worker process starts with ``OPENBLAS_CORETYPE=kernel`` (and
+    oneDNN's instruction set of that kernel's CPUs)."""
+    for name, value in _pinned(kernel).items():
+        dask_worker.pre_spawn_env[name] = value
+        dask_worker.env[name] = value
 
 
 def pin(client, kernel: str, timeout: float) -> None:
