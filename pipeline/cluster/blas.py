@@ -89,8 +89,12 @@ def onednn_isa(kernel: str | None) -> str | None:
     return _ISA.get(kernel.lower()) if kernel else None
 
 
-def _pinned(kernel: str | None) -> dict:
-    """The environment a worker pinned to ``kernel`` starts with."""
+def pinned_environ(kernel: str | None) -> dict:
+    """The environment a worker pinned to ``kernel`` starts with (that of a machine of its kind).
+
+    >>> pinned_environ("Zen")
+    {'OPENBLAS_CORETYPE': 'Zen', 'ONEDNN_MAX_CPU_ISA': 'AVX2'}
+    """
     if not kernel:
         return {}
     isa = onednn_isa(kernel)
@@ -123,7 +127,8 @@ def spawn_environ(kernel: str | None) -> dict:
     {'distributed.nanny.pre-spawn-environ.OPENBLAS_CORETYPE': 'Haswell',
      'distributed.nanny.pre-spawn-environ.ONEDNN_MAX_CPU_ISA': 'AVX2'}
     """
-    return {f"distributed.nanny.pre-spawn-environ.{k}": v for k, v in _pinned(kernel).items()}
+    return {f"distributed.nanny.pre-spawn-environ.{name}": value
+            for name, value in pinned_environ(kernel).items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,7 +143,7 @@ def survey(client) -> dict[str, Blas]:
 def _set_kernel(kernel: str, dask_worker=None) -> None:
     """Runs on a nanny: its next worker process starts with ``OPENBLAS_CORETYPE=kernel`` (and
     oneDNN's instruction set of that kernel's CPUs)."""
-    for name, value in _pinned(kernel).items():
+    for name, value in pinned_environ(kernel).items():
         dask_worker.pre_spawn_env[name] = value
         dask_worker.env[name] = value
 

@@ -13,7 +13,8 @@ from tests.clusters import subprocess_cluster
 pytestmark = [pytest.mark.cluster,
               pytest.mark.skipif(platform.machine() != "x86_64",
                                  reason="the kernels named here are OpenBLAS's x86-64 ones")]
-MIXED = [{blas.ENV: "Haswell"}, {blas.ENV: "Sandybridge"}]
+# two kinds of machine: OpenBLAS's kernel and oneDNN's instruction set of each
+MIXED = [blas.pinned_environ("Haswell"), blas.pinned_environ("Sandybridge")]
 
 
 def test_mixed_kernels_warn_in_one_line_then_the_pin_runs_one():
@@ -44,16 +45,18 @@ def test_the_local_cluster_starts_its_workers_with_the_kernel():
     from pipeline.cluster.connection import connect
     from pipeline.core.config import ClusterConfig
     cfg = ClusterConfig(workers=2, blas_kernel="Sandybridge", dashboard_address="127.0.0.1:0")
-    before = os.environ.get(blas.ENV)
+    before = {name: os.environ.get(name) for name in (blas.ENV, blas.ONEDNN_ENV)}
     with connect(cfg, log=lambda line: None) as client:
         log = []
         got = blas.check(client, cfg.blas_kernel, log.append, restart=True)
         client.restart()  # a nanny sets the variable again as it respawns its worker
         assert {b.kernel for b in blas.survey(client).values()} == {"Sandybridge"}
+        isa = client.run(lambda: os.environ.get(blas.ONEDNN_ENV))  # oneDNN's set pinned with it
+        assert set(isa.values()) == {"AVX"}, isa
     assert {b.kernel for b in got.values()} == {"Sandybridge"} and len(got) == 2 and log == []
     # The nannies ran in this process: what they set for their workers is not left behind here,
     # where every process started later (another cluster, a subprocess) would inherit it.
-    assert os.environ.get(blas.ENV) == before
+    assert {name: os.environ.get(name) for name in before} == before
 
 
 @pytest.mark.parametrize("kernel", ["", "Haswell; rm -rf /", "x" * 40, "9lives"])
@@ -84,5 +87,5 @@ def test_a_mixed_cluster_warns_once_and_the_pin_gives_the_one_kernel_answer():
         pinned = train(_tiny(mixed.address, **{"cluster.blas_kernel": "Sandybridge"}),
                        log=log.append).params
         assert not [line for line in log if line.startswith("warning:")], log
-    with subprocess_cluster(2, env={blas.ENV: "Sandybridge"}) as one_kind:
+    with subprocess_cluster(2, env=blas.pinned_environ("Sandybridge")) as one_kind:
         assert_same_bits(pinned, train(_tiny(one_kind.address), log=lambda line: None).params)
