@@ -94,6 +94,15 @@ def test_float64_and_windows_short_of_the_edge_take_the_im2col_path():
     assert onednn.stats["calls"] == calls
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_an_empty_batch_gives_empty_results_on_either_path(dtype):
+    x, w, b, stride, pad = _problem(1, 8, 8, 3, 4, 3, 1, 1, True, seed=0)
+    x, w, b = x[:0].astype(dtype), w.astype(dtype), b.astype(dtype)
+    y, gx, gw, gb = _passes(x, w, b, stride, pad)
+    assert y.shape == (0, 8, 8, 4) and gx.shape == x.shape
+    assert not gw.any() and not gb.any() and gw.dtype == gb.dtype == dtype
+
+
 def test_chunks_depend_on_the_batch_alone():
     assert onednn.chunks(1) == [(0, 1)]
     assert onednn.chunks(32) == [(0, 32)]

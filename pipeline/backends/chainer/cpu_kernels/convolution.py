@@ -164,6 +164,9 @@ def forward(x, w, b, stride: tuple, pad: tuple, threads: int = 1):
     n, h, wd, c = x.shape
     o, _, kh, kw = w.shape
     (sy, sx), (ph, pw) = stride, pad
+    if n == 0:  # an empty batch (no chunk to cut)
+        y = np.zeros((0, out_size(h, kh, sy, ph), out_size(wd, kw, sx, pw), o), x.dtype)
+        return y, np.ascontiguousarray(x), tuple(pad)
     if onednn.usable(x.dtype, w.shape, stride, pad, (h, wd)):
         x = np.ascontiguousarray(x)
         y = onednn.forward(x, w, b, tuple(stride), tuple(pad), threads)
@@ -194,6 +197,8 @@ def grad_w(x, gy, kh: int, kw: int, stride: tuple, pad: tuple = (0, 0), bias: bo
     """
     n, h, wd, c = x.shape
     _, ho, wo, o = gy.shape
+    if n == 0:
+        return np.zeros((o, c, kh, kw), gy.dtype), (np.zeros(o, gy.dtype) if bias else None)
     if onednn.usable(x.dtype, (o, c, kh, kw), stride, pad, (h, wd)):
         done = onednn.grad_w(x, gy, (o, c, kh, kw), tuple(stride), tuple(pad), bias, threads)
         if done is not None:
@@ -238,6 +243,8 @@ def grad_x(gy, w, x_shape: tuple, stride: tuple, pad: tuple, threads: int = 1):
     o, _, kh, kw = w.shape
     (sy, sx), (ph, pw) = stride, pad
     _, ho, wo, _ = gy.shape
+    if n == 0:
+        return np.zeros(x_shape, gy.dtype)
     if onednn.usable(gy.dtype, w.shape, stride, pad, (h, wd)):
         gx = onednn.grad_x(gy, w, tuple(x_shape), tuple(stride), tuple(pad), threads)
         if gx is not None:

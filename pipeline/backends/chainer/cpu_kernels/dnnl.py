@@ -148,12 +148,6 @@ def version() -> str | None:
     return _LOAD["version"] if load() is not None else None
 
 
-def _reset_for_tests() -> None:
-    _LOAD.update(tried=False, lib=None, reason=None)
-    _local.__dict__.clear()
-    stats.update(plans=0, unsupported=0, calls=0)
-
-
 def _check(status: int, what: str) -> None:
     if status != 0:
         raise RuntimeError(f"oneDNN {what}: status {status}")
