@@ -401,6 +401,9 @@ _QUIET_WORKERS = {"DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False",
 ANCHOR = 25  # rounds between anchors (fresh roots) in the long run; the default is 100
 
 
+STEADY_FROM = 40  # rounds: after two epochs (16 rounds each) and their first evaluations
+
+
 @pytest.mark.slow
 @pytest.mark.cluster
 @pytest.mark.parametrize("strategy", ["ipm", "async"])
@@ -425,10 +428,12 @@ def test_long_run_releases_every_key_and_byte(tmp_path, strategy):
         baseline = _worker_memory(client)
 
         def watch(line):
-            # not at round 10: it still holds the start (the workers' first tasks import and load
-            # their compiled kernels; 157 tasks seen there for async, 46-53 at rounds 0 and 20)
-            if line["round"] % 10 == 0 and line["round"] != 10:
-                # the fewest of two looks 0.2 s apart, and of more for up to 2 s while that is
+            # from round 40 on: the first two epochs hold the start (the workers' first tasks
+            # import and load their compiled kernels, the first evaluations build their
+            # convolution primitives; 157 tasks seen at round 10 for async, 218 at round 20 for
+            # ipm in a CI run, 36-47 at every round after)
+            if line["round"] % 10 == 0 and line["round"] >= STEADY_FROM:
+                # the fewest of two looks 0.2 s apart, and of more for up to 5 s while that is
                 # over 100: a leak stays, a burst of releases the scheduler has not handled yet
                 # on a loaded machine does not (CI once read 129 at round 10 and 36-47 after
                 # it; a run beside a pip install here 128 and 217 at rounds 10 and 20, then 37)
@@ -436,7 +441,7 @@ def test_long_run_releases_every_key_and_byte(tmp_path, strategy):
                 while True:
                     time.sleep(0.2)
                     fewest = min(fewest, _scheduler_tasks(client))
-                    if fewest < 100 or time.monotonic() - looked >= 2.0:
+                    if fewest < 100 or time.monotonic() - looked >= 5.0:
                         break
                 samples[line["round"]] = fewest
                 memory[line["round"]] = _worker_memory(client)
@@ -447,8 +452,8 @@ def test_long_run_releases_every_key_and_byte(tmp_path, strategy):
                         {w: m[:2] for w, m in baseline.items()})
     assert len(result.history) == 304
     # Bounded during the run: the rounds in flight (prefetch + one ahead) plus the data blocks,
-    # the same at round 300 as at round 20.
-    early, late = max(v for r, v in samples.items() if r <= 50), max(samples.values())
+    # the same at round 300 as at rounds 40-100.
+    early, late = max(v for r, v in samples.items() if r <= 100), max(samples.values())
     assert late <= early + 10 and late < 120, samples
     # Each worker's records: at most the rounds since the last anchor (~9 a round) plus those
     # in flight and the data blocks (~220 measured); the chain reached 1700 by round 300.
