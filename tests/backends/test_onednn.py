@@ -103,6 +103,16 @@ def test_an_empty_batch_gives_empty_results_on_either_path(dtype):
     assert not gw.any() and not gb.any() and gw.dtype == gb.dtype == dtype
 
 
+@needs_onednn
+def test_each_thread_keeps_a_bounded_number_of_plans(monkeypatch):
+    from pipeline.backends.chainer.cpu_kernels import dnnl
+    monkeypatch.setattr(dnnl, "MAX_PLANS", 4)
+    x, w, b, stride, pad = _problem(2, 6, 6, 3, 4, 3, 1, 1, True, seed=0)
+    for size in range(6, 12):  # ever new input sizes: 3 plans each
+        _passes(np.resize(x, (2, size, size, 3)), w, b, stride, pad)
+    assert len(dnnl.thread_state()["plans"]) <= 4
+
+
 def test_chunks_depend_on_the_batch_alone():
     assert onednn.chunks(1) == [(0, 1)]
     assert onednn.chunks(32) == [(0, 32)]

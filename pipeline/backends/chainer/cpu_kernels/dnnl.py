@@ -324,11 +324,18 @@ class Plan:
                 pass
 
 
+MAX_PLANS = 512  # per thread; a model's layers x 3 passes x 2 chunk sizes x train/eval is ~100
+
+
 def plan(key: Key):
-    """This thread's plan for ``key``, built on first use; None where oneDNN cannot build it."""
+    """This thread's plan for ``key``, built on first use; None where oneDNN cannot build it.
+
+    At most ``MAX_PLANS`` a thread, the oldest dropped first (inputs of ever new sizes)."""
     state = thread_state()
     plans = state["plans"]
     if key not in plans:
+        while len(plans) >= MAX_PLANS:
+            del plans[next(iter(plans))]
         try:
             plans[key] = Plan(_LOAD["lib"], key)
             stats["plans"] += 1
