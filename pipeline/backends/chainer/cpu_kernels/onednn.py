@@ -127,8 +127,8 @@ def forward(x, w, b, stride, pad, threads: int = 1):
     n, h, wd, _ = x.shape
     o, _, kh, kw = w.shape
     ho, wo = out_size(h, kh, stride[0], pad[0]), out_size(wd, kw, stride[1], pad[1])
-    x = np.ascontiguousarray(x)
-    w = np.ascontiguousarray(w)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    w = np.ascontiguousarray(w, dtype=np.float32)
     y = np.empty((n, ho, wo, o), np.float32)
     fixed = {ARG_WEIGHTS: w}
     if b is not None:
@@ -141,8 +141,8 @@ def forward(x, w, b, stride, pad, threads: int = 1):
 def grad_x(gy, w, x_shape, stride, pad, threads: int = 1):
     """dL/dx (N, H, W, C) from gy (N, Ho, Wo, O), or None (not run)."""
     n = x_shape[0]
-    gy = np.ascontiguousarray(gy)
-    w = np.ascontiguousarray(w)
+    gy = np.ascontiguousarray(gy, dtype=np.float32)
+    w = np.ascontiguousarray(w, dtype=np.float32)
     gx = np.empty(x_shape, np.float32)
     done = _run_chunks("grad_x", n, x_shape, w.shape, stride, pad, False, threads,
                        lambda lo, hi: ({ARG_DIFF_SRC: gx[lo:hi], ARG_WEIGHTS: w,
@@ -154,8 +154,8 @@ def grad_w(x, gy, w_shape, stride, pad, bias: bool, threads: int = 1):
     """(dL/dw (O, C, kh, kw), dL/db (O,) or None), or None (not run): each chunk's parts summed
     in chunk order."""
     n = x.shape[0]
-    x = np.ascontiguousarray(x)
-    gy = np.ascontiguousarray(gy)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    gy = np.ascontiguousarray(gy, dtype=np.float32)
     o = w_shape[0]
 
     def arrays_of(lo, hi):
