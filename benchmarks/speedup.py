@@ -4,18 +4,36 @@ Also `single` on one 2-thread worker (one replica using both cores): the other w
 cores, printed as ``threads_ratio`` over the one-thread `single`.
 
 Same model, data, per-replica batch and epochs; each side on its own LocalCluster of one-thread
-worker processes, made before timing. Target: ratio >= 1.8 (two independent processes reach
-1.89 on this 2-core machine: memory bandwidth is shared).
+worker processes, made before timing. Target: ratio >= 1.8.
 
-    .venv/bin/python benchmarks/speedup.py                  # ~1 min on 2 cores
+Two more figures say where a shortfall comes from:
+
+- ``steady_ratio``: the same two runs counted from the end of their first round to their last
+  (the rounds' lines in the run's history), so without the run's fixed costs: loading, each
+  worker's first train- task (importing Chainer, loading the compiled kernels, building the
+  model: 1.2-1.4 s for cifar10-2015) and the end.
+- ``bare_ratio``: the machine's own ceiling. The same model's training step (a fixed batch, our
+  kernels, no Dask: ``cpu_kernels.make_trainer``) in one process, then in two processes at once,
+  each with the thread variables a Dask nanny gives its workers (one OpenMP/BLAS thread).
+  ``ratio_of_bare`` is ``ratio`` over it: the part of the machine's two-core speedup the pipeline
+  keeps. A ``bare_ratio`` well under 2 means the cores themselves do not scale (shared
+  execution units or memory bandwidth), which no pipeline can hide.
+
+    .venv/bin/python benchmarks/speedup.py                  # ~1.5 min on 2 cores
     .venv/bin/python benchmarks/speedup.py --model cifar10-2015 --batch-size 100 \
         --mix-every 10 --layout threads                     # replicas as threads of one worker
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
 
 from _common import bench_config, common_arguments, emit, local_client, timed  # noqa: I001
+
+BARE_STEPS = 30  # timed steps of each bare process, after 3 untimed
 
 
 def run(workers, strategy, replicas, a, threads=1):
@@ -25,7 +43,56 @@ def run(workers, strategy, replicas, a, threads=1):
     with local_client(workers, threads) as client:
         result, seconds = timed(train, cfg, client=client, log=lambda m: None)
     images = result.history[-1]["step"] * a.batch_size * replicas
-    return images / seconds, result.history[-1]["test_acc"], seconds
+    return images / seconds, result.history[-1]["test_acc"], seconds, \
+        steady(result.history, a.batch_size * replicas)
+
+
+def steady(history: list, images_per_step: int) -> float | None:
+    """Images/s from the end of the first round to the end of the last (None: one round)."""
+    if len(history) < 2:
+        return None
+    first, last = history[0], history[-1]
+    return (last["step"] - first["step"]) * images_per_step / (last["seconds"] - first["seconds"])
+
+
+def bare_steps(model: str, kernels: str, batch: int, steps: int) -> None:
+    """In a child process: ``steps`` training steps, one thread; prints images/s as JSON."""
+    import time
+
+    from cpu_kernels import make_trainer  # benchmarks/ is on the path (this script's folder)
+
+    from pipeline.backends.chainer.backend import _keep_heap_for_training
+    from pipeline.backends.chainer.cpu_kernels import stock
+    _keep_heap_for_training()
+    stock.install()  # as the backend does when it builds a replica
+    step = make_trainer(model, kernels, batch)
+    for _ in range(3):  # warm-up: compiled kernels, oneDNN's primitives, heap growth
+        step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    print(json.dumps({"img_s": steps * batch / (time.perf_counter() - start)}), flush=True)
+
+
+def bare(a, processes: int) -> list[float]:
+    """Images/s of each of ``processes`` bare step loops started together."""
+    import dask
+    env = {**os.environ, **{k: str(v) for k, v in
+                            dask.config.get("distributed.nanny.pre-spawn-environ", {}).items()}}
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[var] = "1"  # what a one-thread worker runs with, whatever the config says
+    argv = [sys.executable, "-W", "ignore", os.path.abspath(__file__), "--bare-steps",
+            str(BARE_STEPS), "--model", a.model, "--cpu-kernels", a.cpu_kernels,
+            "--batch-size", str(a.batch_size)]
+    children = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
+                for _ in range(processes)]
+    rates = []
+    for child in children:
+        out, _ = child.communicate()
+        if child.returncode:
+            raise SystemExit(f"bare step loop exited {child.returncode}")
+        rates.append(json.loads(out.strip().splitlines()[-1])["img_s"])
+    return rates
 
 
 def main(argv=None):
@@ -34,22 +101,42 @@ def main(argv=None):
     p.add_argument("--layout", default="processes", choices=["processes", "threads"],
                    help="ipm's two replicas on two one-thread workers, or as the two threads of "
                         "one worker (their average then moves no bytes)")
+    p.add_argument("--no-bare", action="store_true", help="skip the bare two-process ceiling")
+    p.add_argument("--bare-steps", type=int, help=argparse.SUPPRESS)  # the child's mode
     a = p.parse_args(argv)
+    if a.bare_steps:
+        return bare_steps(a.model, a.cpu_kernels, a.batch_size, a.bare_steps)
     single = run(1, "single", 1, a)
     wide = run(1, "single", 1, a, threads=2)  # the other way to use two cores: one replica
     ipm = run(2, "ipm", 2, a) if a.layout == "processes" else run(1, "ipm", 2, a, threads=2)
+    one = two = None
+    if not a.no_bare:
+        one, two = bare(a, 1)[0], sum(bare(a, 2))
     ratio = ipm[0] / single[0]
-    print(f"{'':28}{'images/s':>10}{'test acc':>10}{'seconds':>9}")
-    print(f"{'single, 1 worker':28}{single[0]:10.0f}{single[1]:10.3f}{single[2]:9.1f}")
-    print(f"{'single, 1 worker x 2':28}{wide[0]:10.0f}{wide[1]:10.3f}{wide[2]:9.1f}")
-    print(f"{'ipm K=2, ' + ('2 workers' if a.layout == 'processes' else '1 worker x 2'):28}{ipm[0]:10.0f}{ipm[1]:10.3f}{ipm[2]:9.1f}")
-    print(f"speedup = {ratio:.3f} (target >= 1.8; H = {a.mix_every} steps); one replica on 2 "
-          f"threads: {wide[0] / single[0]:.3f}")
+    steady_ratio = ipm[3] / single[3] if ipm[3] and single[3] else None
+    bare_ratio = two / one if one else None
+    print(f"{'':28}{'images/s':>10}{'steady':>10}{'test acc':>10}{'seconds':>9}")
+    for label, r in (("single, 1 worker", single), ("single, 1 worker x 2", wide),
+                     ("ipm K=2, " + ("2 workers" if a.layout == "processes" else
+                                     "1 worker x 2"), ipm)):
+        print(f"{label:28}{r[0]:10.0f}{r[3] or float('nan'):10.0f}{r[1]:10.3f}{r[2]:9.1f}")
+    if one:
+        print(f"{'bare step loop, 1 process':28}{one:10.0f}")
+        print(f"{'bare step loop, 2 at once':28}{two:10.0f}")
+    print(f"speedup = {ratio:.3f} (target >= 1.8; H = {a.mix_every} steps); steady "
+          f"{steady_ratio or float('nan'):.3f}; the machine's bare ceiling "
+          f"{bare_ratio or float('nan'):.3f}; one replica on 2 threads: {wide[0] / single[0]:.3f}")
     emit({"bench": "speedup", "ratio": round(ratio, 4), "single_img_s": round(single[0], 1),
           "ipm_img_s": round(ipm[0], 1), "single_2_threads_img_s": round(wide[0], 1),
-          "threads_ratio": round(wide[0] / single[0], 4), "model": a.model,
-          "mix_every": a.mix_every, "cpu_kernels": a.cpu_kernels, "layout": a.layout,
-          "target": 1.8})
+          "threads_ratio": round(wide[0] / single[0], 4),
+          "steady_ratio": steady_ratio and round(steady_ratio, 4),
+          "steady_single_img_s": single[3] and round(single[3], 1),
+          "steady_ipm_img_s": ipm[3] and round(ipm[3], 1),
+          "bare_ratio": bare_ratio and round(bare_ratio, 4),
+          "bare_img_s": one and {"1": round(one, 1), "2": round(two, 1)},
+          "ratio_of_bare": bare_ratio and round(ratio / bare_ratio, 4),
+          "model": a.model, "mix_every": a.mix_every, "cpu_kernels": a.cpu_kernels,
+          "layout": a.layout, "target": 1.8})
 
 
 if __name__ == "__main__":
