@@ -197,10 +197,10 @@ class ChainerBackend:
 
     def to_model(self, model, n_classes: int, params: State):
         stock_kernels.install()  # a model of Chainer's stock links runs our CPU kernels too
-        return set_state(build(model, n_classes), params)
+        return set_state(build(model, n_classes, blank=True), params)
 
     def load_weights(self, model, n_classes: int, path: str) -> State:
-        return get_state(load_npz(build(model, n_classes), path))
+        return get_state(load_npz(build(model, n_classes, blank=True), path))
 
     def init_params(self, model, n_classes: int, seed: int) -> State:
         return get_state(build(model, n_classes, seed=seed))

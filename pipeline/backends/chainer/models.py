@@ -182,17 +182,32 @@ def check_model_name(name: str) -> str:
     return name
 
 
-def build_model(name: str, n_classes: int = 10, seed: int | None = None) -> chainer.Chain:
+class _Blank:
+    """An ``rng`` for Chainer's initializers that draws nothing: zeros of the shape asked for."""
+
+    def normal(self, loc=0.0, scale=1.0, size=None):
+        return np.zeros(size, np.float32)
+
+    def uniform(self, low=0.0, high=1.0, size=None):
+        return np.zeros(size, np.float32)
+
+
+def build_model(name: str, n_classes: int = 10, seed: int | None = None,
+                blank: bool = False) -> chainer.Chain:
     """A fresh model. ``seed`` fixes its initial weights (the run's 'init' stream); None draws
-    them from a throwaway generator (for Links whose weights are loaded right after).
+    them from a throwaway generator. ``blank``: zeros, nothing drawn, for a Link whose every
+    weight is loaded right after (cifar10-2015's 5.6 M draws took 0.26 s on the driver at the
+    end of every run, and 0.1-0.14 s in each worker's first train- task).
 
     >>> a, b = build_model("small-cnn", seed=1), build_model("small-cnn", seed=1)
     >>> bool((a.conv1.W.array == b.conv1.W.array).all())
     True
+    >>> float(abs(build_model("small-cnn", blank=True).conv1.W.array).max())
+    0.0
     """
     from pipeline.core.rng import legacy_state_for
     check_model_name(name)
-    rng = legacy_state_for(seed if seed is not None else 0, "init")
+    rng = _Blank() if blank else legacy_state_for(seed if seed is not None else 0, "init")
     model = MODELS[name](n_classes=n_classes, rng=rng)
     # Lazily initialised parameters would draw later from the global RNG: materialise them now.
     with chainer.using_config("train", False), chainer.no_backprop_mode():
