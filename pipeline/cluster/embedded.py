@@ -28,6 +28,34 @@ class Roles(NamedTuple):
     train: str = "TRAIN"
 
 
+# Distributed's housekeeping, less often than its defaults, on the cluster we start ourselves:
+# every worker samples its running task's stack at 100 Hz for the dashboard's profile page (and
+# takes the GIL to do it), and every server's event loop wakes at 50 Hz to time itself. On a
+# machine whose every core trains a replica, those wakeups come out of the training: with these
+# values `ipm` K=2 on two one-thread workers ran 1-8% more images/s in 4 of 4 alternated pairs
+# of benchmarks/speedup.py (docs/benchmarks.md, "Two workers over one"); `single` on one worker,
+# which leaves a core to them, did not change. The profile page still fills, at 10 samples/s.
+QUIET = {
+    "distributed.worker.profile.interval": "100ms",  # distributed's default: 10ms
+    "distributed.admin.tick.interval": "1s",  # 20ms
+    "distributed.admin.system-monitor.interval": "2s",  # 500ms
+    "distributed.worker.memory.monitor-interval": "1s",  # 100ms
+    "distributed.scheduler.work-stealing-interval": "1s",  # 100ms
+}
+
+
+def quiet_config() -> dict:
+    """:data:`QUIET`'s values where the user's Dask config still holds distributed's own default
+    (a value the user set stays theirs).
+
+    >>> sorted(quiet_config()) == sorted(QUIET)  # nothing set here
+    True
+    """
+    defaults = dask.config.merge(*dask.config.defaults)
+    return {key: value for key, value in QUIET.items()
+            if dask.config.get(key, None) == dask.config.get(key, None, config=defaults)}
+
+
 def default_workers(threads_per_worker: int, gpu_workers: int = 0, loader_workers: int = 0) -> int:
     """Embedded CPU worker processes that fill the cores (affinity and cgroup aware) left over
     after one core per GPU worker and per loader worker.
@@ -117,7 +145,8 @@ def _start_embedded(cfg: ClusterConfig, gpus: list[str], roles: Roles) -> distri
     from pipeline.cluster.blas import spawn_environ
     from pipeline.core.interrupt import signals_ignored
     with signals_ignored(), warnings.catch_warnings(), \
-            dask.config.set(spawn_environ(cfg.blas_kernel)):  # nannies read it as they start
+            dask.config.set({**quiet_config(), **spawn_environ(cfg.blas_kernel)}):  # read as
+        # the scheduler and the nannies start; each worker process gets the nanny's copy
         # "Port 8787 is already in use ... Hosting the HTTP server on port N instead": the
         # summary line gives the link that was bound.
         warnings.filterwarnings("ignore", message=".*already in use", category=UserWarning)

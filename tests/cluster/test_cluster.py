@@ -141,6 +141,32 @@ def _quiet_on_close(dask_worker) -> bool:
                for f in log.filters)
 
 
+def test_the_local_cluster_runs_quiet_housekeeping_a_users_setting_stays():
+    """Our own cluster samples and ticks less often (embedded.QUIET): its scheduler and workers
+    run with those values, except one the user set; this process's config is left as it was."""
+    import dask
+    from pipeline.cluster import embedded
+    mine, before = "50ms", dask.config.get("distributed.admin.tick.interval")
+    with dask.config.set({"distributed.worker.profile.interval": mine}), \
+            cluster.connect(ClusterConfig(workers=2, threads_per_worker=1),
+                            log=lambda line: None) as client:
+        on_workers = client.run(_config_of, list(embedded.QUIET))
+        ticks = client.run_on_scheduler(_scheduler_tick_s)
+        after = dask.config.get("distributed.admin.tick.interval")
+    expected = {**embedded.QUIET, "distributed.worker.profile.interval": mine}
+    assert list(on_workers.values()) == [expected, expected]
+    assert ticks == 1.0 and after == before
+
+
+def _config_of(keys: list) -> dict:
+    import dask
+    return {key: dask.config.get(key) for key in keys}
+
+
+def _scheduler_tick_s(dask_scheduler) -> float:
+    return dask_scheduler.periodic_callbacks["tick"].callback_time / 1000
+
+
 def test_default_workers_fill_the_cores():
     from dask.system import CPU_COUNT
     assert cluster.default_workers(1) == CPU_COUNT
