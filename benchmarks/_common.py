@@ -14,12 +14,19 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.g
 
 
 @contextlib.contextmanager
-def local_client(workers: int, threads: int = 1, resources: dict | None = None):
-    """A LocalCluster of worker processes on 127.0.0.1 (no dashboard) and its client."""
+def local_client(workers: int, threads: int = 1, resources: dict | None = None,
+                 quiet: bool = True):
+    """A LocalCluster of worker processes on 127.0.0.1 (no dashboard) and its client; ``quiet``:
+    with the housekeeping intervals of the cluster ``train`` starts itself (``embedded.QUIET``),
+    else distributed's defaults."""
+    import dask
     from distributed import Client, LocalCluster
-    with LocalCluster(n_workers=workers, threads_per_worker=threads, processes=True,
-                      dashboard_address=None, host="127.0.0.1", resources=resources) as cluster, \
-            Client(cluster) as client:
+
+    from pipeline.cluster.embedded import quiet_config
+    with dask.config.set(quiet_config() if quiet else {}):
+        cluster = LocalCluster(n_workers=workers, threads_per_worker=threads, processes=True,
+                               dashboard_address=None, host="127.0.0.1", resources=resources)
+    with cluster, Client(cluster) as client:
         client.wait_for_workers(workers)
         yield client
 

@@ -4,7 +4,8 @@ Also `single` on one 2-thread worker (one replica using both cores): the other w
 cores, printed as ``threads_ratio`` over the one-thread `single`.
 
 Same model, data, per-replica batch and epochs; each side on its own LocalCluster of one-thread
-worker processes, made before timing. Target: ratio >= 1.8.
+worker processes, made before timing, with the housekeeping intervals of the cluster ``train``
+starts itself (``--dask-defaults``: distributed's own). Target: ratio >= 1.8.
 
 Two more figures say where a shortfall comes from:
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -40,7 +42,7 @@ def run(workers, strategy, replicas, a, threads=1):
     from pipeline import train
     cfg = bench_config(a, **{"train.strategy": strategy, "train.replicas": replicas,
                              "augment.policy": "cifar"})
-    with local_client(workers, threads) as client:
+    with local_client(workers, threads, quiet=not a.dask_defaults) as client:
         result, seconds = timed(train, cfg, client=client, log=lambda m: None)
     images = result.history[-1]["step"] * a.batch_size * replicas
     return images / seconds, result.history[-1]["test_acc"], seconds, \
@@ -102,42 +104,64 @@ def main(argv=None):
                    help="ipm's two replicas on two one-thread workers, or as the two threads of "
                         "one worker (their average then moves no bytes)")
     p.add_argument("--no-bare", action="store_true", help="skip the bare two-process ceiling")
+    p.add_argument("--no-wide", action="store_true", help="skip single on one 2-thread worker")
+    p.add_argument("--dask-defaults", action="store_true",
+                   help="clusters with distributed's own housekeeping intervals, not the quieter "
+                        "ones of the cluster `train` starts itself (embedded.QUIET)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="single and ipm alternated this many times; medians reported")
     p.add_argument("--bare-steps", type=int, help=argparse.SUPPRESS)  # the child's mode
     a = p.parse_args(argv)
     if a.bare_steps:
         return bare_steps(a.model, a.cpu_kernels, a.batch_size, a.bare_steps)
-    single = run(1, "single", 1, a)
-    wide = run(1, "single", 1, a, threads=2)  # the other way to use two cores: one replica
-    ipm = run(2, "ipm", 2, a) if a.layout == "processes" else run(1, "ipm", 2, a, threads=2)
+    singles, ipms, wide = [], [], None
+    for i in range(a.repeats):  # alternated: the machine's speed drifts between minutes
+        singles.append(run(1, "single", 1, a))
+        if i == 0 and not a.no_wide:  # the other way to use two cores: one replica, 2 threads
+            wide = run(1, "single", 1, a, threads=2)
+        ipms.append(run(2, "ipm", 2, a) if a.layout == "processes" else
+                    run(1, "ipm", 2, a, threads=2))
     one = two = None
     if not a.no_bare:
         one, two = bare(a, 1)[0], sum(bare(a, 2))
-    ratio = ipm[0] / single[0]
-    steady_ratio = ipm[3] / single[3] if ipm[3] and single[3] else None
+    ratios = [p[0] / s[0] for s, p in zip(singles, ipms)]
+    steadies = [p[3] / s[3] for s, p in zip(singles, ipms) if p[3] and s[3]]
+    ratio, steady_ratio = statistics.median(ratios), steadies and statistics.median(steadies)
+    single, ipm = _median_run(singles), _median_run(ipms)
     bare_ratio = two / one if one else None
-    print(f"{'':28}{'images/s':>10}{'steady':>10}{'test acc':>10}{'seconds':>9}")
-    for label, r in (("single, 1 worker", single), ("single, 1 worker x 2", wide),
-                     ("ipm K=2, " + ("2 workers" if a.layout == "processes" else
-                                     "1 worker x 2"), ipm)):
+    print(f"{'':28}{'images/s':>10}{'steady':>10}{'test acc':>10}{'seconds':>9}  (medians of {a.repeats})")
+    rows = [("single, 1 worker", single)] + ([("single, 1 worker x 2", wide)] if wide else [])
+    rows.append(("ipm K=2, " + ("2 workers" if a.layout == "processes" else "1 worker x 2"), ipm))
+    for label, r in rows:
         print(f"{label:28}{r[0]:10.0f}{r[3] or float('nan'):10.0f}{r[1]:10.3f}{r[2]:9.1f}")
     if one:
         print(f"{'bare step loop, 1 process':28}{one:10.0f}")
         print(f"{'bare step loop, 2 at once':28}{two:10.0f}")
-    print(f"speedup = {ratio:.3f} (target >= 1.8; H = {a.mix_every} steps); steady "
-          f"{steady_ratio or float('nan'):.3f}; the machine's bare ceiling "
-          f"{bare_ratio or float('nan'):.3f}; one replica on 2 threads: {wide[0] / single[0]:.3f}")
+    print(f"speedup = {ratio:.3f} (target >= 1.8; H = {a.mix_every} steps; each run: "
+          f"{', '.join(f'{r:.3f}' for r in ratios)}); steady {steady_ratio or float('nan'):.3f}; "
+          f"the machine's bare ceiling {bare_ratio or float('nan'):.3f}"
+          + (f"; one replica on 2 threads: {wide[0] / single[0]:.3f}" if wide else ""))
     emit({"bench": "speedup", "ratio": round(ratio, 4), "single_img_s": round(single[0], 1),
-          "ipm_img_s": round(ipm[0], 1), "single_2_threads_img_s": round(wide[0], 1),
-          "threads_ratio": round(wide[0] / single[0], 4),
+          "ipm_img_s": round(ipm[0], 1),
+          "single_2_threads_img_s": wide and round(wide[0], 1),
+          "threads_ratio": wide and round(wide[0] / single[0], 4),
           "steady_ratio": steady_ratio and round(steady_ratio, 4),
           "steady_single_img_s": single[3] and round(single[3], 1),
           "steady_ipm_img_s": ipm[3] and round(ipm[3], 1),
           "bare_ratio": bare_ratio and round(bare_ratio, 4),
           "bare_img_s": one and {"1": round(one, 1), "2": round(two, 1)},
           "ratio_of_bare": bare_ratio and round(ratio / bare_ratio, 4),
+          "ratios": [round(r, 4) for r in ratios],
+          "steady_ratios": [round(r, 4) for r in steadies], "repeats": a.repeats,
           "model": a.model, "mix_every": a.mix_every, "cpu_kernels": a.cpu_kernels,
-          "layout": a.layout, "target": 1.8})
+          "layout": a.layout, "dask_defaults": a.dask_defaults, "target": 1.8})
 
+
+def _median_run(runs: list) -> tuple:
+    """Each figure's median over the runs (images/s, test accuracy, seconds, steady images/s)."""
+    columns = list(zip(*runs))
+    return tuple(statistics.median(c) if all(v is not None for v in c) else None
+                 for c in columns)
 
 if __name__ == "__main__":
     main()
