@@ -138,8 +138,11 @@ def test_pkg_resources_stand_in_honours_version_specifiers():
     code = (
         "import sys; sys.modules['pkg_resources'] = None\n"  # import pkg_resources -> ImportError
         "from pipeline.backends.chainer import compat\n"
+        "import chainer._environment_check as check\n"
+        "compat.gradient_check  # imported on first use, under the same stand-ins\n"
         "import chainer.testing.helper as h\n"
         "pr = h.pkg_resources\n"
+        "assert pr is check.pkg_resources, (pr, check.pkg_resources)\n"
         "assert pr.__name__ == 'pkg_resources' and not hasattr(pr, '__file__'), pr\n"
         "pr.require('numpy>=1')\n"
         "for bad, error in (('numpy<1', pr.VersionConflict), ('no-such-dist-xyz', pr.DistributionNotFound)):\n"

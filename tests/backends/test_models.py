@@ -4,13 +4,12 @@ import pickle
 import numpy as np
 import pytest
 
-from pipeline.backends.chainer.compat import F, chainer, serializers
+from pipeline.backends.chainer.compat import F, chainer, gradient_check, serializers
 from pipeline.backends.chainer.models import MODELS, build_model, count_parameters
 from pipeline.backends.chainer.state import get_state, set_state
 
 # Chainer's functions are the reference here, not our dispatchers
 pytestmark = pytest.mark.usefixtures("chainers_own_functions")
-gradient_check = chainer.gradient_check
 RNG = np.random.default_rng(0)
 
 

@@ -8,10 +8,15 @@ Chainer 7.8.1 (the last release) touches three things at import time that modern
 * ``pkg_resources`` (deprecated by setuptools, absent without it), used by the same check to
   warn about CuPy versions.
 
-Each shim is installed only when the real thing is missing. The two import-time stand-ins leave
-``sys.modules`` once Chainer has imported, but the Chainer modules that imported ``pkg_resources``
-(``_environment_check``, ``testing.helper``, ``testing.doctest_helper``) keep the stand-in as their
-global, so it honours version specifiers the way the real ``require`` does.
+``np.sctypes`` is added only when missing. The other two are stood in for while Chainer imports,
+whether or not the real ones exist: the real ``numpy.distutils.system_info`` (0.13 s to import)
+is read only on macOS, and the real ``pkg_resources.require`` takes 0.1-0.45 s to look up
+Chainer's 17 optional package names, in the driver and again in every worker process. The
+stand-ins leave ``sys.modules`` once Chainer has imported (a real module that was there before is
+put back), but the Chainer modules that imported ``pkg_resources`` (``_environment_check``,
+``testing.helper``, ``testing.doctest_helper``) keep the stand-in as their global, so it honours
+version specifiers the way the real ``require`` does. ``chainer.gradient_check`` (which imports
+pytest through ``chainer.testing``, 0.11 s) is imported on first use of :data:`gradient_check`.
 
 It also answers whether Chainer's CUDA backend can run here (:func:`cuda_status`). Chainer 7.8.1
 was written for CuPy 7; on CuPy 13 and 14 its CUDA path imports and runs (see docs/gpu.md), but
@@ -24,6 +29,7 @@ CuPy 14 is newer than the versions it knows) are kept in :data:`import_notices`,
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import sys
 import types
@@ -56,6 +62,7 @@ def _stub_module(name: str, **attrs) -> types.ModuleType:
     return module
 
 
+@functools.cache
 def _pkg_resources_stub() -> types.ModuleType:
     """Just enough of pkg_resources for chainer._environment_check, on importlib.metadata."""
 
@@ -92,31 +99,38 @@ def _pkg_resources_stub() -> types.ModuleType:
 
 @contextlib.contextmanager
 def _import_time_stubs():
-    added = []
+    """Stand-ins for ``numpy.distutils.system_info`` (off macOS) and ``pkg_resources`` while
+    Chainer imports; whatever ``sys.modules`` held under those names before is put back."""
+    stubs = {"pkg_resources": _pkg_resources_stub()}
+    if sys.platform != "darwin" or not _real_system_info():
+        system_info = _stub_module("numpy.distutils.system_info", get_info=lambda name: {})
+        stubs["numpy.distutils.system_info"] = system_info
+        stubs["numpy.distutils"] = _stub_module("numpy.distutils", system_info=system_info)
+    absent = object()
+    before = {name: sys.modules.get(name, absent) for name in stubs}
+    had_distutils = "distutils" in np.__dict__
+    sys.modules.update(stubs)
+    try:
+        yield
+    finally:
+        for name, module in before.items():
+            if module is absent:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+        if not had_distutils:
+            np.__dict__.pop("distutils", None)
+
+
+def _real_system_info() -> bool:
+    """macOS only: whether the real ``numpy.distutils.system_info`` imports (it reads the BLAS)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # numpy.distutils' own deprecation notice
             import numpy.distutils.system_info  # noqa: F401
+        return True
     except Exception:
-        system_info = _stub_module("numpy.distutils.system_info", get_info=lambda name: {})
-        distutils = _stub_module("numpy.distutils", system_info=system_info)
-        for name, module in (("numpy.distutils", distutils),
-                             ("numpy.distutils.system_info", system_info)):
-            sys.modules[name] = module
-            added.append(name)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # setuptools' own "pkg_resources is deprecated"
-            import pkg_resources  # noqa: F401
-    except Exception:
-        sys.modules["pkg_resources"] = _pkg_resources_stub()
-        added.append("pkg_resources")
-    try:
-        yield
-    finally:
-        for name in added:
-            sys.modules.pop(name, None)
-        np.__dict__.pop("distutils", None)
+        return False
 
 
 import_notices: list[str] = []  # Chainer's own warnings at import (e.g. CuPy newer than it knows)
@@ -128,7 +142,6 @@ def _import_chainer():
         warnings.simplefilter("always")
         import chainer
         import chainer.functions
-        import chainer.gradient_check
         import chainer.links
         import chainer.serializers
     import_notices.extend(" ".join(str(w.message).split()) for w in caught
@@ -261,7 +274,18 @@ def installed_cupy_packages() -> list[str]:
 F = chainer.functions
 L = chainer.links
 serializers = chainer.serializers
-gradient_check = chainer.gradient_check
+
+
+def __getattr__(name: str):
+    """``gradient_check`` on first use (it imports pytest), under the same stand-ins."""
+    if name == "gradient_check":
+        with _import_time_stubs(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import chainer.gradient_check
+        globals()["gradient_check"] = chainer.gradient_check
+        return chainer.gradient_check
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["chainer", "F", "L", "serializers", "gradient_check", "cuda_status", "cuda_summary",
            "import_notices", "installed_cupy_packages"]
