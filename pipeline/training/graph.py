@@ -17,19 +17,10 @@ from pipeline.averaging import algorithms as averaging_algorithms
 from pipeline.cluster import resources as offers
 from pipeline.core import keys
 from pipeline.training import tasks
+from pipeline.training.tasks import move, pick
 from pipeline.data import arrays as data_arrays
 from pipeline.data.augment import augment
 from pipeline.core.schedule import Round, epoch_permutation, shard_positions
-
-
-def pick(result, field: int):
-    """One field of a task's tuple result, as its own key so consumers fetch only that part."""
-    return result[field]
-
-
-def move(value):
-    """``value`` itself, on this task's worker: a prefetch to where its consumer will run."""
-    return value
 
 
 class Persisted(NamedTuple):

@@ -58,6 +58,18 @@ class TrainResult(NamedTuple):
     metrics: dict  # loss_sum, correct, n, seconds, finite, nonfinite, replica
 
 
+def pick(result, field: int):
+    """One field of a task's tuple result, as its own key so consumers fetch only that part
+    (here, not in ``graph``: a worker that runs it imports this light module, not Dask's array
+    collection)."""
+    return result[field]
+
+
+def move(value):
+    """``value`` itself, on this task's worker: a prefetch to where its consumer will run."""
+    return value
+
+
 def train(params: State, opt_state: State | None, shard: Shard, spec: StepSpec) -> TrainResult:
     """Run one replica for one round: ``len(spec.lrs)`` steps of ``batch_size`` from ``shard``
     (mode "steps"), or one gradient on the whole shard (mode "gradient").
