@@ -191,8 +191,13 @@ def test_task_functions_pickle():
     from pipeline.training.strategies import asynchronous, ipm
     for fn in (tasks.train, tasks.update, tasks.evaluate, augment_graph.augment, ipm.average_outer,
                ipm.pack, tree._leaf, base.take_payload, base.local_sum, asynchronous.apply,
-               asynchronous.apply_gradient):
+               asynchronous.apply_gradient, tasks.pick, tasks.move):
         assert pickle.loads(pickle.dumps(fn)) is fn
+    # graph submits these by reference to tasks (a pure module), so a worker unpickling its first
+    # pick- imports no graph.py, nor Dask's array collection, on its event loop
+    from pipeline.training import graph
+    assert graph.pick is tasks.pick and graph.move is tasks.move
+    assert b"pipeline.training.tasks" in pickle.dumps(graph.pick)
 
 
 # A commit whose runs must give the same bits as this tree's. It was the head before the
