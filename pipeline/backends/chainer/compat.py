@@ -145,8 +145,7 @@ def _import_chainer():
         import chainer.links
         import chainer.serializers
     import_notices.extend(" ".join(str(w.message).split()) for w in caught
-                          if issubclass(w.category, UserWarning)
-                          and "pkg_resources is deprecated" not in str(w.message))
+                          if issubclass(w.category, UserWarning))
     return chainer
 
 
