@@ -161,3 +161,22 @@ def test_loaded_weights_are_private_copies(tmp_path, params):
     path.write_bytes(npz.to_bytes(params, compress=True))
     model = load_npz(build_model(MODEL, CLASSES), str(path))
     assert _fingerprint(get_state(model)) == _fingerprint(params)
+
+
+def test_a_train_task_measures_its_displacement_only_when_asked(params):
+    """``delta_sq`` (what ipm's adaptive outer lr reads) is the squared distance the steps moved
+    the params when the spec asks for it, else 0.0 with the same params: a pass over the state
+    per task saved. The strategies ask for it exactly when the outer lr is adaptive."""
+    from pipeline import Config
+    from pipeline.core.schedule import plan_rounds
+    from pipeline.training.strategies.base import Context
+    asked = tasks.train(params, None, _shard(), _spec()._replace(displacement=True))
+    plain = tasks.train(params, None, _shard(), _spec())
+    assert asked.metrics["delta_sq"] == averaging.squared_distance(asked.params, params) > 0
+    assert plain.metrics["delta_sq"] == 0.0
+    assert _fingerprint(asked.params) == _fingerprint(plain.params)
+    rnd = plan_rounds(64, 2, 4, 1, 2)[0]
+    for adaptive in (False, True):
+        config = ipm.IPM.resolve(Config().replace(**{"average.adaptive_outer": adaptive}))
+        spec = Context(config, 2, 64, 8, CLASSES, "cpu").spec(rnd, 0)
+        assert spec.displacement is adaptive

@@ -54,7 +54,8 @@ class Context(NamedTuple):
                         t.weight_decay, self.lrs(rnd), t.batch_size, mode, self.config.seed,
                         rnd.index, replica, self.device, beta1=t.beta1, beta2=t.beta2,
                         eps=t.adam_eps, cpu_kernels=self.config.model.cpu_kernels,
-                        optimizer_args=t.optimizer_args, grad_clip=t.grad_clip)
+                        optimizer_args=t.optimizer_args, grad_clip=t.grad_clip,
+                        displacement=bool(self.config.average.adaptive_outer))
 
     def eval_spec(self) -> EvalSpec:
         return EvalSpec(self.model_spec, self.n_classes, self.config.train.tta,
