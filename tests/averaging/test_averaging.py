@@ -206,3 +206,45 @@ def test_combine_finalize_is_finalize_of_combine_bit_for_bit(dtype):
         for key in split:
             assert fused[key].dtype == split[key].dtype
             assert fused[key].tobytes() == split[key].tobytes(), key
+
+
+# ---- the compiled mean (pipeline.averaging.compiled) ------------------------------------------
+
+def _numpy_blocks_only(monkeypatch):
+    from pipeline.averaging import compiled
+    monkeypatch.setattr(compiled, "MIN_SIZE", 1 << 62)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_the_compiled_mean_gives_the_numpy_blocks_bits(monkeypatch, k, dtype):
+    """One compiled pass per entry against the five NumPy passes per block it replaces: the
+    same bits for float32 and float64 states (sums that are not exact in float64 too), any K,
+    integer and fractional total weights, sizes off the block size."""
+    from pipeline.averaging import compiled
+    if compiled._kernel() is None:
+        pytest.skip("Numba cannot be imported here: the NumPy blocks are the only path")
+    rng = np.random.default_rng(k)
+    size = compiled.MIN_SIZE + 12345
+    states = [{"/big": (rng.standard_normal(size) * 10.0 ** rng.integers(-30, 30, size))
+               .astype(dtype), "/N": np.array(3)} for _ in range(k)]
+    weighted = [averaging.leaf(s, w) for s, w in zip(states, [0.5, 3, 1.25, 2, 7][:k])]
+    fast = averaging.combine_finalize(states), averaging.finalize(averaging.combine(weighted))
+    _numpy_blocks_only(monkeypatch)
+    slow = averaging.combine_finalize(states), averaging.finalize(averaging.combine(weighted))
+    for a, b in zip(fast, slow):
+        assert a.keys() == b.keys()
+        assert all(a[key].dtype == b[key].dtype and a[key].tobytes() == b[key].tobytes()
+                   for key in a)
+
+
+def test_the_compiled_mean_declines_what_it_does_not_cover():
+    from pipeline.averaging import compiled
+    n = compiled.MIN_SIZE
+    ones = np.ones(n, np.float32)
+    out = np.zeros(n, np.float32)
+    assert not compiled.mean_into([ones[:10]], 1, out[:10])  # small: NumPy
+    assert not compiled.mean_into([ones.astype(np.float16)], 1, out.astype(np.float16))
+    assert not compiled.mean_into([ones, ones.astype(np.float64)], 2, out)  # mixed dtypes
+    assert not compiled.mean_into([np.ones(2 * n, np.float32)[::2]], 1, out)  # strided
+    assert not out.any()  # nothing written when it says no
