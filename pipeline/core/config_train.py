@@ -17,7 +17,7 @@ DEVICES = ("cpu", "gpu", "auto")
 OPT_STATE_MODES = ("auto", "keep", "reset", "average")
 LR_SCALINGS = ("auto", "none", "linear", "sqrt")
 LR_DECAYS = ("none", "cosine")
-AVERAGE_ALGORITHMS = ("auto", "tree", "sharded", "hierarchical")
+AVERAGE_ALGORITHMS = ("auto", "tree", "gather", "sharded", "hierarchical")
 MAX_EPOCHS = 100_000.0
 MAX_REPLICAS = 4096  # also what a checkpoint may hold (pipeline.outputs.checkpoint reads it)
 _OPTIMIZER = re.compile(r"^[A-Z][A-Za-z0-9_]{0,63}$")  # a class name: chainer.optimizers.RMSprop
@@ -144,8 +144,9 @@ class AverageConfig:
     optimizer_state: str = opt("auto", "what ipm does with the replicas' optimizer state at an "
                                "average", flag="--optimizer-state", metavar="MODE",
                                choices=OPT_STATE_MODES)
-    algorithm: str = opt("auto", "how the replicas' state is averaged (auto: the tree on one "
-                         "host, the cost model's fastest across hosts; sharded: reduce-scatter + "
+    algorithm: str = opt("auto", "how the replicas' state is averaged (auto: on one host gather "
+                         "for two workers, else the tree; across hosts the cost model's fastest; "
+                         "gather: each worker adds every state itself; sharded: reduce-scatter + "
                          "all-gather; hierarchical: each host adds its own replicas first); all "
                          "give the same bits (pipeline.averaging.algorithms)", flag="--average",
                          metavar="ALGORITHM", choices=AVERAGE_ALGORITHMS)

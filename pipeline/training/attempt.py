@@ -65,8 +65,8 @@ class Attempt:
         self.live = submitted.live
         evals = []
         if eval_spec is not None:
-            model = self.strategy.model(rnd, submitted.live)
-            evals = self.graph.submit_evaluate(rnd.index, model, eval_spec)
+            copies = self.strategy.model_copies(rnd, submitted.live)
+            evals = self.graph.submit_evaluate(rnd.index, copies, eval_spec)
         self.pending.append(Pending(rnd, submitted.live, submitted.metrics, evals,
                                     tuple(submitted.records)))
 

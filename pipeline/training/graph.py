@@ -35,13 +35,27 @@ class Persisted(NamedTuple):
     note: str = ""  # one line for the run's log: what the cache holds, or why it is off
 
 
-def persist_dataset(client: distributed.Client, dataset, eval_chunk: int = 250,
+def eval_chunk_size(n_test: int) -> int:
+    """Test images per evaluate- task: eight chunks or more, so that an evaluation splits evenly
+    over the training workers (``RoundGraph.submit_evaluate``), each at least a forward batch
+    (100) and at most 250 images. A function of the test set alone, so the chunks, their
+    batches and the order their sums are added in are the same on any number of workers.
+
+    >>> eval_chunk_size(200), eval_chunk_size(1017), eval_chunk_size(2000), eval_chunk_size(10000)
+    (100, 128, 250, 250)
+    """
+    return min(250, max(100, -(-n_test // 8)))
+
+
+def persist_dataset(client: distributed.Client, dataset, eval_chunk: int | None = None,
                     resources: dict | None = None) -> Persisted:
     """Load the raw data onto the cluster once (``load-``/``decode-`` tasks, asking for
     ``resources``: the loading workers'); consumers refer to it by key. Decoded image folders
     too, unless they do not fit (`image_readers.cache_decision`): then only the test split is
-    kept and each round decodes its own shards."""
+    kept and each round decodes its own shards. ``eval_chunk``: test images per block
+    (default :func:`eval_chunk_size` of the test set's size)."""
     from pipeline.data import images as image_readers
+    eval_chunk = eval_chunk or eval_chunk_size(int(dataset.test_images.shape[0]))
     test_images = dataset.test_images.rechunk({0: eval_chunk})
     test_labels = dataset.test_labels.rechunk({0: eval_chunk})
     stream, note, n_train = dataset.stream, "", int(dataset.train_images.shape[0])
@@ -106,6 +120,7 @@ class RoundGraph:
         self._nthreads: dict = {}  # worker address -> its threads
         self.averaged_bytes = payload_bytes  # bytes per replica an average adds (auto weighs)
         self._plan: averaging_algorithms.Plan | None = None
+        self._tests: list | None = None  # (images, labels) of each test chunk where it is read
 
     def for_attempt(self) -> "RoundGraph":
         """The same graph builder under a fresh key token (and a fresh averaging plan: workers
@@ -165,7 +180,7 @@ class RoundGraph:
         (``data_lost``); attempts made after this (``for_attempt``) read the new blocks."""
         if self.reload is not None and data_lost(self.data):
             log("the cluster forgot the dataset's blocks: loading them again")
-            self.data = self.reload()
+            self.data, self._tests = self.reload(), None
 
     def _home(self, replica: int) -> str | None:
         """The worker replica k lives on: where the averaging plan placed it, or with
@@ -273,6 +288,26 @@ class RoundGraph:
         return self.client.submit(move, shard, key=(*key, "move"),
                                   pure=False, workers=[home], allow_other_workers=True)
 
+    def _test_blocks(self) -> list:
+        """``(images, labels)`` futures of each test chunk, moved once an attempt to the worker
+        that evaluates it (chunk i: replica i mod K's, see ``submit_evaluate``) by a ``move``
+        task (keyed ``("load-<token>", "test", i, part)``, asking for no resources: a soft pin
+        is safe). An evaluate- task then finds its chunk there and runs as soon as the weights
+        are in, before the next round's train- task (submitted after it), on every worker at
+        once; fetching its chunk first, it let that train- task take the thread and ran at the
+        round's end, one worker's share after another's."""
+        if self._tests is None:
+            replicas = self.config.train.replicas
+            self._tests = []
+            for i, chunk in enumerate(zip(self.data.test_images, self.data.test_labels)):
+                home = self._home(i % replicas)
+                self._tests.append(tuple(
+                    value if home is None else self.client.submit(
+                        move, value, key=self.key("load", "test", i, part), pure=False,
+                        workers=[home], allow_other_workers=True)
+                    for part, value in zip(("images", "labels"), chunk)))
+        return self._tests
+
     def key(self, stage: str, *coords):
         return keys.make(stage, self.token, *coords)
 
@@ -295,8 +330,7 @@ class RoundGraph:
             fut = self.client.submit(func, *args, key=key, pure=False, **where)
             if fields is None:
                 return fut
-            return tuple(self.client.submit(pick, fut, i, key=(*key, name), pure=False,
-                                            resources=resources)
+            return tuple(self.client.submit(pick, fut, i, key=(*key, name), pure=False, **where)
                          for i, name in enumerate(fields))
 
     def _perm(self, epoch: int) -> np.ndarray:
@@ -335,26 +369,36 @@ class RoundGraph:
             spec = spec._replace(threads=self._thread_share(replica if pin is None else pin))
         with distributed.span("train"):
             key = self.key("train", rnd.index, replica)
+            where = self._pinned(replica if pin is None else pin, self.train_resources)
             fut = self.client.submit(tasks.train, params, opt, shard, spec, key=key, pure=False,
-                                     **self._pinned(replica if pin is None else pin,
-                                                    self.train_resources))
-            # The picks ask for what the train- task did: a recomputed pick after a lost worker
-            # would otherwise fetch the whole result to any worker (a loader) to take a part.
+                                     **where)
+            # The picks ask for what the train- task did and where: unpinned, the scheduler gave
+            # one to the other worker when this one was busy (an evaluate- task), which fetched
+            # the whole result (params and optimizer state) to take a part and sent the part
+            # back for the next round (two copies between rounds); and a recomputed pick after a
+            # lost worker would fetch the whole result to any worker (a loader).
             picks = tuple(self.client.submit(pick, fut, i, key=(*key, name), pure=False,
-                                             resources=self.train_resources)
+                                             **where)
                           for i, name in enumerate(("params", "opt", "metrics")))
             return (*picks, fut)
 
-    def submit_evaluate(self, rnd_index: int, params, spec: tasks.EvalSpec) -> list:
+    def submit_evaluate(self, rnd_index: int, copies: list, spec: tasks.EvalSpec) -> list:
+        """The evaluate- tasks of the weights in ``copies`` (futures of the same weights: one,
+        or one per replica where each reads it). Test chunk i runs next to replica i mod K
+        (a soft pin, like its train- tasks) and reads the copy there, so an epoch's evaluation
+        is split evenly over the training workers: each spends its share at the round's barrier,
+        where one worker taking it all (Dask's choice, next to the one copy) held the others
+        waiting for it (0.1-0.7 s an epoch on two workers)."""
+        replicas = self.config.train.replicas
         if not spec.threads:  # any training worker may evaluate: the smallest share
-            shares = [self._thread_share(k) for k in range(self.config.train.replicas)]
+            shares = [self._thread_share(k) for k in range(replicas)]
             spec = spec._replace(threads=min(shares) if all(shares) else 0)
         with distributed.span("evaluate"):
-            return [self.client.submit(tasks.evaluate, params, images, labels, spec,
+            return [self.client.submit(tasks.evaluate, copies[i % replicas % len(copies)],
+                                       images, labels, spec,
                                        key=self.key("evaluate", rnd_index, i), pure=False,
-                                       resources=self.train_resources)
-                    for i, (images, labels) in enumerate(zip(self.data.test_images,
-                                                             self.data.test_labels))]
+                                       **self._pinned(i % replicas, self.train_resources))
+                    for i, (images, labels) in enumerate(self._test_blocks())]
 
     def scatter(self, value, replica: int | None = None):
         """Put a host value on the cluster as a root with no lineage (checkpoints, resumes), on

@@ -183,6 +183,26 @@ def test_keys_are_average_tasks_of_the_round(client):
     assert steps <= {"local", "take", "reduce", "gather"}
 
 
+def test_gather_adds_on_every_worker_holding_replicas(client):
+    """``gather``: one sum per worker holding replicas, run there, every copy the tree's bits;
+    on one host the graph's pins (``homes``) place them; unplaced, one sum for all."""
+    from pipeline.averaging.algorithms import gather
+    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])[:2]
+    states = mixed_states(4, seed=2)
+    futures = client.scatter(states)
+    placed = Context(client, "average", TOKEN, ("g", 0), 2, place({"a": workers}, 4), 1, 4)
+    pinned = Context(client, "average", TOKEN, ("g", 1), 2, None, 1, 4,
+                     homes=(workers[0], workers[0], workers[1], workers[1]))
+    for ctx in (placed, pinned):
+        copies = gather.allreduce(ctx, futures)
+        assert [c.key for c in copies] == [ctx.key("local", i) for i in (0, 0, 1, 1)]
+        assert all(same_bits(c, tree_mean(states, 2)) for c in client.gather(copies))
+        held = client.who_has(copies)
+        assert [set(held[c.key]) for c in copies] == [{workers[i]} for i in (0, 0, 1, 1)]
+    loose = Context(client, "average", TOKEN, ("g", 2), 2, None, 1, 4)
+    assert len({c.key for c in gather.allreduce(loose, futures)}) == 1
+
+
 @pytest.mark.parametrize("fn", [base.copy, base.done, base.local_sum, base.reduce_shard,
                                 base.assemble, shards.take, shards.reduce_pieces])
 def test_task_functions_pickle_round_trip(fn):
@@ -191,10 +211,15 @@ def test_task_functions_pickle_round_trip(fn):
 
 # ---- choosing an algorithm --------------------------------------------------------------------
 
-def test_auto_picks_the_tree_on_one_host_and_the_cost_model_across_hosts():
+def test_auto_picks_gather_or_the_tree_on_one_host_and_the_cost_model_across_hosts():
     cfg = AverageConfig()
     one = place({"h": ["w0", "w1", "w2", "w3"]}, 4)
     assert averaging_algorithms.choose(one, 1e8, cfg)[0] == "tree"
+    # Two workers on one host: each adds both states itself (the same bytes, both ways at
+    # once); one worker (replicas as its threads): the same single sum as the tree's root.
+    for workers in (["w0", "w1"], ["w0"]):
+        assert averaging_algorithms.choose(place({"h": workers}, 2), 1e8, cfg)[0] == "gather"
+    assert averaging_algorithms.choose(place({"h": ["w0", "w1"]}, 4), 1e8, cfg)[0] == "gather"
     four = place({f"h{i}": [f"w{i}"] for i in range(4)}, 4)
     name, shards, why = averaging_algorithms.choose(four, 1e8, cfg)
     assert name in ("sharded", "hierarchical") and shards == 4 and "predicted" in why

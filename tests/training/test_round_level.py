@@ -35,8 +35,8 @@ def _records_since(index: int, dask_scheduler) -> list:
 
 
 class _Where:
-    """A run-output hook that reads, before the run ends, which worker ran each augment- and
-    train- task of this run (by (stage, round, replica))."""
+    """A run-output hook that reads, before the run ends, which worker ran each augment-,
+    train-, average- and evaluate- task of this run (``workers[stage-token][coords]``)."""
 
     def start(self, info):
         self.client = info.client
@@ -48,11 +48,8 @@ class _Where:
     def close(self):
         self.workers = {}
         for key, worker in self.client.run_on_scheduler(_records_since, self.first):
-            if isinstance(key, tuple) and len(key) == 3 and \
-                    keys.stage_of(key) in ("augment", "train"):
-                self.workers.setdefault(key[0], {})[key[1:]] = worker
-            if isinstance(key, tuple) and keys.stage_of(key) == "average" and \
-                    all(isinstance(c, int) for c in key[1:]):  # a tree node: round, level, i
+            if isinstance(key, tuple) and \
+                    keys.stage_of(key) in ("augment", "train", "average", "evaluate"):
                 self.workers.setdefault(key[0], {})[key[1:]] = worker
 
 
@@ -66,25 +63,44 @@ def _pairs(workers: dict) -> list:
     """(augment worker, train worker) per (round, replica) of the one run in ``workers``."""
     token = next(k.split("-", 1)[1] for k in workers if k.startswith("train-"))
     shards, trains = workers["augment-" + token], workers["train-" + token]
-    return [(shards[c], trains[c]) for c in sorted(trains)]
+    return [(shards[c], trains[c]) for c in sorted(trains) if len(c) == 2]
 
 
 def test_shards_are_made_where_their_replica_trains_and_the_bytes_stay(dask_client,
                                                                          monkeypatch):
-    prefetched, workers = _run(dask_client)
+    prefetched, workers = _run(dask_client, **{"data.source": "synthetic:192:200"})
     pairs = _pairs(workers)
     assert len(pairs) == 2 * len(prefetched.history)
     assert len({t for _, t in pairs}) == 2  # the replicas on their two workers
     assert all(a == t for a, t in pairs), pairs
     token = next(k.split("-", 1)[1] for k in workers if k.startswith("train-"))
-    roots = workers["average-" + token]  # K = 2: one node per round, the root
-    assert roots and all(w == workers["train-" + token][(r, 0)] for (r, *_), w in roots.items())
+    trains = workers["train-" + token]
+    home = {k: trains[(0, k)] for k in (0, 1)}
+    # The picks of a train- task (params, opt, metrics) run where it ran: none fetches the
+    # whole result to another worker.
+    picks = {c: w for c, w in trains.items() if len(c) == 3}
+    assert picks and all(w == trains[c[:2]] for c, w in picks.items()), picks
+    # K = 2 on two workers: `gather` adds both states on each replica's worker (Adam: params
+    # and moments), each splits its own copy, and each evaluates its half of the test chunks.
+    average = workers["average-" + token]
+    sums = {c: w for c, w in average.items() if c[1] == "local"}
+    assert sums and all(w == home[c[2]] for c, w in sums.items()), sums
+    unpacked = {c: w for c, w in average.items() if c[1] == "unpack" and len(c) == 3}
+    assert unpacked and all(w == home[c[2]] for c, w in unpacked.items()), unpacked
+    evaluated = workers["evaluate-" + token]
+    assert {i for _, i in evaluated} == {0, 1}  # 200 test images: two chunks (eval_chunk_size)
+    assert all(w == home[i % 2] for (_, i), w in evaluated.items()), evaluated
 
     monkeypatch.setattr(graph.RoundGraph, "_augment_where", lambda self, replica: {})
     monkeypatch.setattr(graph.RoundGraph, "_to_trainer", lambda self, shard, replica, key: shard)
-    plain, _ = _run(dask_client)
+    plain, _ = _run(dask_client, **{"data.source": "synthetic:192:200"})
     assert_same_bits(prefetched.params, plain.params)
     assert prefetched.history[-1]["test_acc"] == plain.history[-1]["test_acc"]
+    tree, _ = _run(dask_client, **{"data.source": "synthetic:192:200",
+                                   "average.algorithm": "tree"})  # one sum, one split
+    assert_same_bits(prefetched.params, tree.params)
+    assert [h.get("test_loss") for h in tree.history] == \
+        [h.get("test_loss") for h in prefetched.history]
 
 
 def test_replicas_as_threads_of_one_worker_round_as_one_replica_per_worker(dask_client):

@@ -22,6 +22,7 @@ from pipeline.backends.chainer.models import build_model
 from pipeline.backends.chainer.state import (get_state, load_npz, make_optimizer, set_optimizer_state,
                                              setup_optimizer)
 from pipeline.data.readers import Shard
+from tests.helpers import assert_same_bits
 
 MODEL, CLASSES = "small-cnn", 10
 
@@ -139,6 +140,20 @@ def test_the_task_functions_of_the_graph_leave_their_inputs_untouched(warm):
     _call_untouched(averaging.combine, partials)
     _call_untouched(averaging.finalize, averaging.combine(partials))
     _call_untouched(averaging.combine_finalize, [params, other])
+
+
+def test_ipm_splits_a_packed_mean_as_its_plain_outer_step_does(warm):
+    """The plain outer step (lr 1, no momentum) hands the mean back as it is; so ipm splits each
+    copy of a packed mean (params and optimizer state) itself, next to its replica, with the
+    bits the ``average_outer`` task gave."""
+    params, opt = warm
+    other = {k: v + 1 if averaging.is_float(v) else v for k, v in params.items()}
+    mean = averaging.mean([ipm.pack((params, opt, {})), ipm.pack((other, opt, {}))])
+    split = _call_untouched(ipm.unpack, mean)
+    outer = ipm.average_outer(params, mean, None, 1.0, 0.0, True)
+    assert_same_bits(split[0], outer[0])
+    assert_same_bits(split[1], outer[1])
+    assert outer[2] is None
 
 
 def test_chainer_would_adopt_the_arrays_it_is_given():

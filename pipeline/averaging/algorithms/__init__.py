@@ -1,6 +1,6 @@
 """Averaging algorithms: how the replicas' mean is computed and handed back to them, as Dask graphs.
 
-One module per algorithm (``tree``, ``sharded``, ``hierarchical``), each with three functions
+One module per algorithm (``tree``, ``gather``, ``sharded``, ``hierarchical``), each with three functions
 of a :class:`~pipeline.averaging.algorithms.base.Context` (client, keys, placement):
 
 - ``allreduce(ctx, payloads) -> [future per replica]``: the mean, where each replica will read it;
@@ -11,7 +11,7 @@ of a :class:`~pipeline.averaging.algorithms.base.Context` (client, keys, placeme
 They differ in where bytes go, never in the result: all add the same float64 numbers in the
 same order (``pipeline.averaging.order``) and divide once, so the averaged state is identical bit
 for bit whatever the algorithm, the shard count and the placement. :func:`plan` picks one for
-the cluster it sees (``auto``: the tree on one host, else ``pipeline.averaging.cost``'s fastest) and
+the cluster it sees (``auto``: on one host ``gather`` for two workers, the tree for more; else ``pipeline.averaging.cost``'s fastest) and
 places the replicas (``pipeline.averaging.placement``). A new algorithm is one module plus one line here.
 """
 from __future__ import annotations
@@ -19,19 +19,22 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from pipeline.averaging import cost as scaling
-from pipeline.averaging.algorithms import hierarchical, sharded, tree
+from pipeline.averaging.algorithms import gather, hierarchical, sharded, tree
 from pipeline.averaging.algorithms.base import Context
 from pipeline.core.config_train import AVERAGE_ALGORITHMS
 from pipeline.averaging.placement import Placement, place
 
-ALGORITHMS = {"tree": tree, "sharded": sharded, "hierarchical": hierarchical}
+ALGORITHMS = {"tree": tree, "gather": gather, "sharded": sharded, "hierarchical": hierarchical}
+LOCAL = ("tree", "gather")  # the algorithms that run on one host without a placement
+MODELLED = ("tree", "sharded", "hierarchical")  # auto's candidates across hosts (the cost
+#             model's): gather would send every state over every link
 assert AVERAGE_ALGORITHMS == ("auto", *ALGORITHMS)
 
 
 class Plan(NamedTuple):
     """The algorithm of a run and where its replicas live."""
     algorithm: str
-    placement: Placement | None  # None: one host and the tree, nothing pinned
+    placement: Placement | None  # None: one host, tree or gather (the graph's pins place them)
     shards: int
     description: str  # one line for the log
 
@@ -72,14 +75,17 @@ def predict(name: str, placement: Placement, state_bytes: float, cfg) -> tuple[f
 
 
 def choose(placement: Placement, state_bytes: float | None, cfg) -> tuple[str, int, str]:
-    """``(algorithm, shards, why)`` for ``auto``: the tree on one host; across hosts the
-    fastest by the cost model (``sharded`` with a shard per host when the state size is not
-    known yet)."""
+    """``(algorithm, shards, why)`` for ``auto``: on one host ``gather`` where at most two
+    workers hold replicas (the same bytes as the tree, both ways at once), else the tree; across
+    hosts the fastest by the cost model (``sharded`` with a shard per host when the state size
+    is not known yet)."""
     if placement.n_hosts == 1:
+        if len(placement.hosts[0]) <= 2:
+            return "gather", 1, "auto: one host, two workers"
         return "tree", 1, "auto: one host"
     if not state_bytes:
         return "sharded", cfg.shards or placement.n_hosts, f"auto: {placement.n_hosts} hosts"
-    times = {name: predict(name, placement, state_bytes, cfg) for name in ALGORITHMS}
+    times = {name: predict(name, placement, state_bytes, cfg) for name in MODELLED}
     best = min(times, key=lambda n: times[n][0])
     others = ", ".join(f"{n} {t:.3g} s" for n, (t, _) in times.items() if n != best)
     return best, times[best][1], (f"auto: predicted {times[best][0]:.3g} s per average vs "
@@ -100,9 +106,9 @@ def plan(client, cfg, replicas: int, state_bytes: float | None = None,
         name, n_shards, why = cfg.algorithm, cfg.shards or len(placement.units()), ""
     get(name)
     where = f"{replicas} replica(s) on {placement.n_hosts} host(s)"
-    if name == "tree" and placement.n_hosts == 1:
-        placement = None  # one machine: Dask places the tree's nodes, no bytes cross hosts
-    shards = f", {n_shards} shard(s)" if name != "tree" else ""
+    if name in LOCAL and placement.n_hosts == 1:
+        placement = None  # one machine: the replicas' pins place the sums, no bytes cross hosts
+    shards = f", {n_shards} shard(s)" if name not in LOCAL else ""
     return Plan(name, placement, n_shards, f"{name}, {where}{shards}{f' ({why})' if why else ''}")
 
 

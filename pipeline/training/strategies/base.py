@@ -193,6 +193,11 @@ class Strategy:
         """Future of the weights after ``rnd`` (what stopping here would give)."""
         return live.params[0]
 
+    def model_copies(self, rnd: Round, live: Live) -> list:
+        """Futures of ``model``'s weights, one per replica where the strategy keeps a copy next
+        to each (the evaluation reads the one on its worker), else the one future."""
+        return [self.model(rnd, live)]
+
     @classmethod
     def average_payload(cls, config, param_bytes: int) -> int:
         """Bytes per replica that one of its averages adds up (0: it never averages), which

@@ -120,6 +120,9 @@ class IPM(Strategy):
         if self.opt_mode != "average" and self._plain():
             params = g.allreduce(rnd.index, [o[0] for o in outs])
             return Submitted(Live(params, new_opts, None), metrics)
+        if self._plain():  # the mean of params and optimizer state is the next round's start
+            return Submitted(self._unpacked(rnd, g.allreduce(rnd.index, [o[3] for o in outs],
+                                                             prepare=pack)), metrics)
         if self.opt_mode == "average":  # the whole train results: params and optimizer state
             mean = g.mean(rnd.index, [o[3] for o in outs], prepare=pack)
         else:
@@ -134,6 +137,26 @@ class IPM(Strategy):
             new_opts = g.broadcast(rnd.index, opt, "opt")
         return Submitted(Live(g.broadcast(rnd.index, params), new_opts,
                               outer if not self._plain() else None), metrics)
+
+    def _unpacked(self, rnd, means: list) -> Live:
+        """``Live`` of the replicas' packed means (params and optimizer state, as ``pack``
+        made them): each copy split once where it lies (``unpack``, next to the first replica
+        that reads it). The plain outer step returns the mean's arrays as they are, so this is
+        ``average_outer``'s result bit for bit without its task and broadcasts; where the
+        algorithm left a copy on every worker (``gather``) no state crosses after the sums."""
+        split = {}
+        for k, mean in enumerate(means):
+            if mean.key not in split:
+                split[mean.key] = self.graph.submit(unpack, mean, stage="average",
+                                                    coords=(rnd.index, "unpack", k),
+                                                    fields=("params", "opt"), pin=k)
+        parts = [split[m.key] for m in means]
+        return Live([p[0] for p in parts], [p[1] for p in parts], None)
+
+    def model_copies(self, rnd, live):
+        """Every replica starts the next round from the same mean: its copies, each on its
+        replica's worker (one future K times where the algorithm leaves one)."""
+        return list(live.params)
 
     def scatter(self, state):
         live = super().scatter(state)
