@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import time
 
 from _common import bench_config, common_arguments, emit, local_client  # noqa: I001
@@ -32,6 +33,23 @@ def breakdown(records: list) -> dict:
                 ss["stop"] - ss["start"]
     return {"seconds": {k: round(v, 3) for k, v in sorted(seconds.items())},
             "tasks": dict(sorted(count.items()))}
+
+
+def barriers(records: list) -> list:
+    """Seconds each round boundary held the training: from the end of the last train- task of
+    round r to the start of the last train- task of round r + 1 (picks, the average and its
+    copies, the evaluation at an epoch's end, whatever a worker ran in between)."""
+    from dask.utils import key_split
+    ends, starts = {}, {}
+    for rec in records:
+        key = rec.get("key")
+        if not (isinstance(key, tuple) and len(key) == 3 and key_split(key[0]) == "train"):
+            continue
+        for ss in rec.get("startstops", ()):
+            if ss.get("action") == "compute":
+                ends.setdefault(key[1], []).append(ss["stop"])
+                starts.setdefault(key[1], []).append(ss["start"])
+    return [max(starts[r + 1]) - max(ends[r]) for r in sorted(ends) if r + 1 in starts]
 
 
 def _bytes_sent(client) -> int:
@@ -82,6 +100,11 @@ def main(argv=None):
     for name, value in figures["seconds"].items():
         print(f"  {name:28}{value / rounds:8.3f} s   ({figures['tasks'].get(name.split('.')[0], '')}"
               f" tasks)")
+    held = barriers(records)
+    if held:
+        print(f"  barrier (last train end -> last next train start): median "
+              f"{statistics.median(held):.3f} s, mean {statistics.mean(held):.3f} s over "
+              f"{len(held)} boundaries")
     emit({"bench": "round_breakdown", "model": a.model, "strategy": a.strategy,
           "replicas": a.replicas, "workers": a.workers, "threads": a.threads,
           "rounds": rounds, "wall_s": round(wall, 2), "img_s": round(images / wall, 1),
@@ -89,6 +112,9 @@ def main(argv=None):
           "per_round_s": {k: round(v / rounds, 4) for k, v in figures["seconds"].items()},
           "tasks_per_round": round(sum(figures["tasks"].values()) / rounds, 1),
           "mb_sent_per_round": round(sent / rounds / 1e6, 1),
+          "barrier_median_s": round(statistics.median(held), 4) if held else None,
+          "barrier_mean_s": round(statistics.mean(held), 4) if held else None,
+          "barriers_s": [round(b, 3) for b in held],
           "test_acc": result.history[-1]["test_acc"], "set": a.set})
 
 
