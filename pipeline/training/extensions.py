@@ -178,15 +178,21 @@ class Checkpoint(Extension):
 
 class Anchor(Extension):
     """The state after an anchor round becomes the one a replay goes back to; the rounds after
-    it start from it as fresh roots (not when the run stops there)."""
+    it start from it as fresh roots (not when the run stops there, nor after the ``schedule``'s
+    last round: no round follows to read them)."""
     priority = PRIORITY_ANCHOR
+
+    def __init__(self, schedule=None):
+        self.schedule = schedule
 
     def trigger(self, state: RoundState) -> bool:
         return state.anchor
 
     def __call__(self, state: RoundState) -> None:
         attempt = state.attempt
-        attempt.move_anchor(attempt.state_after(state.pending), reroot=not state.stopping)
+        last = self.schedule is not None and self.schedule.last(state.rnd)
+        attempt.move_anchor(attempt.state_after(state.pending),
+                            reroot=not (state.stopping or last))
 
 
 def curve_labels(info: RunInfo) -> dict:
@@ -228,5 +234,5 @@ def standard(config, out, schedule, hooks=(), on_round=None) -> list[Extension]:
         chosen.append(LineHook(line_hooks.TensorBoardLog(out.path / "tensorboard")))
     if on_round is not None:
         chosen.append(OnRound(on_round))
-    chosen += [ProgressBar(), StrategyRecords(), Checkpoint(out, schedule), Anchor(), Curves()]
+    chosen += [ProgressBar(), StrategyRecords(), Checkpoint(out, schedule), Anchor(schedule), Curves()]
     return ordered(chosen)

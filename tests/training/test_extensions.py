@@ -164,6 +164,18 @@ def test_a_stop_moves_the_anchor_without_new_roots():
     assert attempt.anchor.round == 3 and strategy.rerooted == []
 
 
+def test_the_runs_last_round_moves_the_anchor_without_new_roots():
+    """No round follows the last: scattering its state back would only cost the copies."""
+    strategy = _Strategy()
+    attempt, state = _anchored(strategy)
+    ext.Anchor(Schedule(4, 0, 0, 0, True))(state)  # round 3 of 4
+    assert attempt.anchor.round == 3 and strategy.rerooted == []
+    strategy = _Strategy()
+    attempt, state = _anchored(strategy)
+    ext.Anchor(Schedule(8, 0, 0, 0, True))(state)  # round 3 of 8: the rounds after need roots
+    assert strategy.rerooted == [3]
+
+
 def test_a_diverged_state_is_never_the_anchor():
     attempt, state = _anchored(_Strategy(np.nan))
     with pytest.raises(DivergenceError, match=r"round 3 .*W is NaN or Inf"):

@@ -8,6 +8,7 @@ here, not in the graph or the averaging math.
 from __future__ import annotations
 
 from pipeline.averaging import exact as averaging
+from pipeline.outputs.checkpoint import HostState
 from pipeline.training.strategies.base import Live, Strategy, Submitted
 
 OPT_PREFIX = "opt/"  # optimizer-state entries ride in the averaged payload under this prefix
@@ -152,6 +153,17 @@ class IPM(Strategy):
                                                     fields=("params", "opt"), pin=k)
         parts = [split[m.key] for m in means]
         return Live([p[0] for p in parts], [p[1] for p in parts], None)
+
+    def gather(self, round_index, live):
+        """The host state of ``live``: the shared params (and an averaged optimizer state)
+        fetched once and handed to every replica, as the tree's one future was; where each
+        replica holds its own copy (``gather``), the others are the same bits and stay put."""
+        shared_opts = self.opt_mode == "average"
+        params, opts, outer = self.graph.gather([live.params[:1],
+                                                 live.opts[:1] if shared_opts else live.opts,
+                                                 live.outer])
+        return HostState(round_index, params * self.K, opts * self.K if shared_opts else opts,
+                         outer)
 
     def model_copies(self, rnd, live):
         """Every replica starts the next round from the same mean: its copies, each on its
