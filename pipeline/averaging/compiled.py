@@ -18,6 +18,8 @@ import functools
 
 import numpy as np
 
+from pipeline.core import jit as compiler
+
 MIN_SIZE = 1 << 16  # elements: below this the NumPy blocks (no compile, no Numba import)
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -25,12 +27,11 @@ DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 @functools.cache
 def _kernel():
     """The compiled loop, or None where Numba cannot be imported."""
-    try:
-        import numba
-    except Exception:  # noqa: BLE001  not installed, or not for this NumPy
+    jit = compiler.njit()
+    if jit is None:
         return None
 
-    @numba.njit(cache=True, nogil=True)
+    @jit
     def mean(arrays, count, out):
         k = len(arrays)
         for i in range(out.size):

@@ -285,8 +285,7 @@ class RoundGraph:
         home = self._home(replica)
         if home is None or self._everywhere(self.augment_resources):
             return shard
-        return self.client.submit(move, shard, key=(*key, "move"),
-                                  pure=False, workers=[home], allow_other_workers=True)
+        return self._moved_to(shard, home, (*key, "move"))
 
     def _test_blocks(self) -> list:
         """``(images, labels)`` futures of each test chunk, moved once an attempt to the worker
@@ -302,11 +301,14 @@ class RoundGraph:
             for i, chunk in enumerate(zip(self.data.test_images, self.data.test_labels)):
                 home = self._home(i % replicas)
                 self._tests.append(tuple(
-                    value if home is None else self.client.submit(
-                        move, value, key=self.key("load", "test", i, part), pure=False,
-                        workers=[home], allow_other_workers=True)
+                    self._moved_to(value, home, self.key("load", "test", i, part))
                     for part, value in zip(("images", "labels"), chunk)))
         return self._tests
+
+    def _moved_to(self, value, home: str | None, key):
+        """``value`` copied to worker ``home`` (soft pin) by a ``move`` task; itself without one."""
+        return value if home is None else self.client.submit(
+            move, value, key=key, pure=False, workers=[home], allow_other_workers=True)
 
     def key(self, stage: str, *coords):
         return keys.make(stage, self.token, *coords)

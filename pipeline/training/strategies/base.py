@@ -152,6 +152,10 @@ class Strategy:
         """Whether every replica starts a round from the same parameters."""
         return self.mix == "every"
 
+    def shared_opts(self) -> bool:
+        """Whether every replica also starts a round from one optimizer state."""
+        return False
+
     def scatter(self, state: HostState) -> Live:
         """Host state -> futures with no lineage (a fresh root for the rounds that follow)."""
         g = self.graph
@@ -171,8 +175,17 @@ class Strategy:
         return self.scatter(state)
 
     def gather(self, round_index: int, live: Live) -> HostState:
-        params, opts, outer = self.graph.gather([live.params, live.opts, live.outer])
-        return HostState(round_index, params, opts, outer)
+        """The host state of ``live``. What the replicas share (``shared``: the params,
+        ``shared_opts``: the optimizer state) is fetched once and handed to each, as one future
+        would be: where the averaging algorithm left a copy next to each replica (``gather``)
+        the copies are the same bits and stay where they are."""
+        def one_for_all(values, shared):
+            return values[:1] if shared else values
+        params, opts, outer = self.graph.gather([one_for_all(live.params, self.shared()),
+                                                 one_for_all(live.opts, self.shared_opts()),
+                                                 live.outer])
+        return HostState(round_index, params * self.K if self.shared() else params,
+                         opts * self.K if self.shared_opts() else opts, outer)
 
     def final_params(self, state: HostState) -> dict:
         """The model's weights in a host state (replica 0's params: the shared ones)."""

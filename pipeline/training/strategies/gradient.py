@@ -16,6 +16,10 @@ class Gradient(Strategy):
     def period_of(cls, config, per_epoch):
         return 1  # every step is a reduction
 
+    def shared_opts(self):
+        """One optimizer state, the update- task's, for every replica."""
+        return True
+
     def scatter(self, state):
         live = super().scatter(state)
         if state.opts[0] is not None:  # one optimizer state, read by replica 0's update only

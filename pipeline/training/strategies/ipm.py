@@ -8,7 +8,6 @@ here, not in the graph or the averaging math.
 from __future__ import annotations
 
 from pipeline.averaging import exact as averaging
-from pipeline.outputs.checkpoint import HostState
 from pipeline.training.strategies.base import Live, Strategy, Submitted
 
 OPT_PREFIX = "opt/"  # optimizer-state entries ride in the averaged payload under this prefix
@@ -154,16 +153,9 @@ class IPM(Strategy):
         parts = [split[m.key] for m in means]
         return Live([p[0] for p in parts], [p[1] for p in parts], None)
 
-    def gather(self, round_index, live):
-        """The host state of ``live``: the shared params (and an averaged optimizer state)
-        fetched once and handed to every replica, as the tree's one future was; where each
-        replica holds its own copy (``gather``), the others are the same bits and stay put."""
-        shared_opts = self.opt_mode == "average"
-        params, opts, outer = self.graph.gather([live.params[:1],
-                                                 live.opts[:1] if shared_opts else live.opts,
-                                                 live.outer])
-        return HostState(round_index, params * self.K, opts * self.K if shared_opts else opts,
-                         outer)
+    def shared_opts(self):
+        """An averaged optimizer state is the replicas' one state, like the params."""
+        return self.opt_mode == "average"
 
     def model_copies(self, rnd, live):
         """Every replica starts the next round from the same mean: its copies, each on its
@@ -172,7 +164,7 @@ class IPM(Strategy):
 
     def scatter(self, state):
         live = super().scatter(state)
-        if self.opt_mode == "average" and state.opts[0] is not None:  # shared, like the params
+        if self.shared_opts() and state.opts[0] is not None:  # one copy per host, like the params
             live = live._replace(opts=self.graph.scatter_shared(state.opts[0], state.round + 1,
                                                                 "scatter-opt"))
         return live

@@ -22,6 +22,8 @@ import types
 
 import numpy as np
 
+from pipeline.core import jit as compiler
+
 
 _ROW = 512  # elements per widened row (the reference's elementwise steps)
 
@@ -39,11 +41,9 @@ def wide(a: np.ndarray, c: int):
 @functools.cache
 def _compiled():
     """The compiled loops, or None where Numba cannot be imported."""
-    try:
-        import numba
-    except Exception:  # noqa: BLE001  not installed, or not for this NumPy: the reference
+    jit = compiler.njit()
+    if jit is None:  # the reference
         return None
-    jit = numba.njit(cache=True, nogil=True)
 
     @jit
     def sums(x, out):
