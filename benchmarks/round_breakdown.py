@@ -4,6 +4,9 @@ Runs one training job on a LocalCluster of W one-thread worker processes (made b
 and sums the scheduler's task-stream records over the run: compute seconds per stage (the key's
 prefix: load, augment, train, average, evaluate, the picks of a tuple result), transfer seconds (a task's inputs fetched from another worker), deserialisation, and the driver's wall
 time. ``train_share`` is the train- compute over (wall x W): the cores' share that did training.
+And what the run pays once (``run_ends``; the driver has imported the training modules before
+the clock starts): each worker's idle and busy seconds before its first train- task, that
+task's compute over its others', the seconds after the last one.
 
     .venv/bin/python benchmarks/round_breakdown.py --model cifar10-2015 --workers 2 --replicas 2
 """
@@ -52,6 +55,37 @@ def barriers(records: list) -> list:
     return [max(starts[r + 1]) - max(ends[r]) for r in sorted(ends) if r + 1 in starts]
 
 
+def run_ends(records: list, start: float, end: float) -> dict:
+    """What a run pays once, per worker: ``idle_before_train`` (seconds from the run's start to
+    the worker's first train- task with nothing running there: the driver's set-up, a stalled
+    dispatch), ``busy_before_train`` (loading, augmenting, fetching), ``first_train_extra`` (its
+    first train- task's compute over the median of its others: a fresh process's imports and
+    first compiled calls); and ``tail``: from the last train- task's end to the run's end."""
+    from dask.utils import key_split
+    spans: dict = {}
+    for rec in records:
+        key = rec.get("key")
+        is_train = isinstance(key, tuple) and len(key) == 3 and key_split(key[0]) == "train"
+        for ss in rec.get("startstops", ()):
+            spans.setdefault(rec.get("worker"), []).append(
+                (ss["start"], ss["stop"], is_train and ss.get("action") == "compute"))
+    workers, last = {}, start
+    for worker, items in sorted(spans.items()):
+        trains = sorted((a, b) for a, b, t in items if t)
+        if not trains:
+            continue
+        first = trains[0][0]
+        busy = sum(min(b, first) - a for a, b, _ in items if a < first)
+        others = [b - a for a, b in trains[1:]]
+        workers[worker] = {
+            "idle_before_train": round(first - start - busy, 3),
+            "busy_before_train": round(busy, 3),
+            "first_train_extra": round(trains[0][1] - trains[0][0] - statistics.median(others), 3)
+            if others else None}
+        last = max(last, trains[-1][1])
+    return {"workers": workers, "tail": round(end - last, 3)}
+
+
 def _bytes_sent(client) -> int:
     """Bytes the workers have sent each other so far (their data transfers)."""
     return sum(client.run(lambda dask_worker: dask_worker.transfer_outgoing_bytes_total).values())
@@ -69,6 +103,8 @@ def main(argv=None):
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="any other config field (repeatable), e.g. cluster.pin_replicas=false")
     a = p.parse_args(argv)
+    import pipeline.backends.chainer.backend  # noqa: F401  the driver's imports, before timing
+    import pipeline.training.loop  # noqa: F401
     from pipeline import train
     from pipeline.training import task_stream
     extra = {}
@@ -84,7 +120,8 @@ def main(argv=None):
         start = time.time()
         sent = _bytes_sent(client)
         result = train(cfg, client=client, log=lambda m: None)
-        wall = time.time() - start
+        end = time.time()
+        wall = end - start
         sent = _bytes_sent(client) - sent
         records = stream()  # this run's records, by the stream's append count
     figures = breakdown(records)
@@ -105,6 +142,13 @@ def main(argv=None):
         print(f"  barrier (last train end -> last next train start): median "
               f"{statistics.median(held):.3f} s, mean {statistics.mean(held):.3f} s over "
               f"{len(held)} boundaries")
+    once = run_ends(records, start, end)
+    for worker, w in once["workers"].items():
+        print(f"  once, {worker}: idle {w['idle_before_train']:.3f} s and busy "
+              f"{w['busy_before_train']:.3f} s before its first train- task, which ran "
+              f"{w['first_train_extra'] if w['first_train_extra'] is not None else float('nan'):.3f}"
+              f" s over the median of its others")
+    print(f"  once, the end: {once['tail']:.3f} s after the last train- task")
     emit({"bench": "round_breakdown", "model": a.model, "strategy": a.strategy,
           "replicas": a.replicas, "workers": a.workers, "threads": a.threads,
           "rounds": rounds, "wall_s": round(wall, 2), "img_s": round(images / wall, 1),
@@ -115,7 +159,7 @@ def main(argv=None):
           "barrier_median_s": round(statistics.median(held), 4) if held else None,
           "barrier_mean_s": round(statistics.mean(held), 4) if held else None,
           "barriers_s": [round(b, 3) for b in held],
-          "test_acc": result.history[-1]["test_acc"], "set": a.set})
+          "once": once, "test_acc": result.history[-1]["test_acc"], "set": a.set})
 
 
 if __name__ == "__main__":
