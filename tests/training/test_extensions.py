@@ -261,3 +261,42 @@ def test_a_stop_right_after_an_anchor_saves_the_checkpoint_it_announces(tmp_path
     resumed = train(config, dask_client, resume=True, log=lambda message: None)
     whole = train(config.replace(out=None), dask_client, log=lambda message: None)
     assert_same_bits(resumed.params, whole.params)
+
+
+class _Fetching:
+    """A RoundGraph whose ``gather`` turns each future (a string) into its host value and
+    keeps the futures it was asked for."""
+
+    def __init__(self):
+        self.fetched = []
+
+    def gather(self, nested):
+        def host(x):
+            if isinstance(x, list):
+                return [host(v) for v in x]
+            if x is not None:
+                self.fetched.append(x)
+            return None if x is None else {"from": x}
+        return host(nested)
+
+
+@pytest.mark.parametrize("name, overrides, one_params, one_opt", [
+    ("ipm", {"average.optimizer_state": "average"}, True, True),
+    ("ipm", {"average.optimizer_state": "keep"}, True, False),
+    ("gradient", {}, True, True),
+    ("mixture", {}, False, False),
+])
+def test_a_strategy_fetches_what_its_replicas_share_once(name, overrides, one_params, one_opt):
+    from pipeline.training import strategies
+    from pipeline.training.strategies.base import Context, Live
+    cls = strategies.get(name)
+    config = cls.resolve(Config().replace(**{"train.replicas": 3, **overrides}))
+    graph = _Fetching()
+    strategy = cls(Context(config, 3, 64, 8, 10, "cpu"), graph)
+    live = Live(["p0", "p1", "p2"], ["o0", "o1", "o2"], None)  # copies next to each replica
+    state = strategy.gather(5, live)
+    assert state.round == 5 and len(state.params) == len(state.opts) == 3
+    assert graph.fetched == (["p0"] if one_params else ["p0", "p1", "p2"]) + \
+        (["o0"] if one_opt else ["o0", "o1", "o2"])
+    assert [p["from"] for p in state.params] == (["p0"] * 3 if one_params else ["p0", "p1", "p2"])
+    assert [o["from"] for o in state.opts] == (["o0"] * 3 if one_opt else ["o0", "o1", "o2"])
