@@ -22,7 +22,7 @@ PURE = ["augment", "pipeline.core.config", "pipeline.core.fields", "pipeline.cor
         "pipeline.core.interrupt", "pipeline.core.files", "pipeline.core.npz", "pipeline.backends",
         "pipeline.cluster", "pipeline.cluster.watchdog", "pipeline.cluster.assignments",
         "pipeline.core.arrays", "pipeline.data", "pipeline.data.readers", "pipeline.data.augment",
-        "pipeline.data.imagefolder",
+        "pipeline.data.imagefolder", "pipeline.data.rows",
         *(f"pipeline.data.cifar.{m}" for m in ("layout", "archive", "parse", "py2pickle", "write",
                                                "synthetic", "source", "task")),
         "pipeline.averaging", "pipeline.averaging.exact", "pipeline.averaging.order",
@@ -188,10 +188,11 @@ def test_task_functions_pickle():
     from pipeline.data import augment as augment_graph
     from pipeline.training import tasks
     from pipeline.averaging.algorithms import base, tree
+    from pipeline.data import rows
     from pipeline.training.strategies import asynchronous, ipm
     for fn in (tasks.train, tasks.update, tasks.evaluate, augment_graph.augment, ipm.average_outer,
                ipm.pack, tree._leaf, base.take_payload, base.local_sum, asynchronous.apply,
-               asynchronous.apply_gradient, tasks.pick, tasks.move):
+               asynchronous.apply_gradient, tasks.pick, tasks.move, rows.take_rows):
         assert pickle.loads(pickle.dumps(fn)) is fn
     # graph submits these by reference to tasks (a pure module), so a worker unpickling its first
     # pick- imports no graph.py, nor Dask's array collection, on its event loop

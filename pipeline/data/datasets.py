@@ -28,7 +28,7 @@ from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 from dask.task_spec import Task, TaskRef
 
-from pipeline.data import arrays, cifar
+from pipeline.data import arrays, cifar, rows
 from pipeline.data import images as image_readers
 from pipeline.core import keys
 from pipeline.core.config_data import DataConfig
@@ -400,3 +400,37 @@ def _arrays(plan: Plan, chunks: tuple, split: str) -> tuple[da.Array, da.Array]:
                      meta=np.empty((0, 0, 0, 0), np.uint8)),
             da.Array(graph(labels, label_layer), labels, (sizes,),
                      meta=np.empty((0,), np.int32)))
+
+
+def row_blocks(array: da.Array, size: int) -> da.Array:
+    """``array.rechunk({0: size})``: blocks of ``size`` rows (the last shorter), the same rows, cut
+    by our own task (``rows.take_rows``) so that the workers holding them import no
+    ``dask.array``. An array split along another axis too is left to ``rechunk``.
+
+    >>> x = da.from_array(np.arange(10), chunks=4)
+    >>> y = row_blocks(x, 3)
+    >>> y.chunks, y.compute().tolist() == list(range(10)), y.name.startswith("labels-")
+    (((3, 3, 3, 1),), True, True)
+    """
+    n = array.shape[0]
+    if n == 0 or any(len(c) > 1 for c in array.chunks[1:]):
+        return array.rechunk({0: size})
+    wanted = tuple(min(size, n - lo) for lo in range(0, n, size))
+    if array.chunks[0] == wanted:
+        return array
+    name = keys.prefix("images" if array.ndim > 1 else "labels", tokenize(array.name, size)[:8])
+    starts = np.cumsum((0,) + array.chunks[0]).tolist()
+    inputs = []
+    for k in array.__dask_keys__():
+        while isinstance(k, list):
+            k = k[0]
+        inputs.append(k)
+    layer = {}
+    for j, lo in enumerate(range(0, n, size)):
+        hi, key = min(lo + size, n), (name, j) + (0,) * (array.ndim - 1)
+        cut = [(i, max(lo, a) - a, min(hi, b) - a)
+               for i, (a, b) in enumerate(zip(starts, starts[1:])) if a < hi and b > lo]
+        layer[key] = Task(key, rows.take_rows, tuple((lo_, hi_) for _, lo_, hi_ in cut),
+                          *(TaskRef(inputs[i]) for i, _, _ in cut))
+    graph = HighLevelGraph.from_collections(name, layer, dependencies=[array])
+    return da.Array(graph, name, (wanted, *array.chunks[1:]), meta=array._meta)

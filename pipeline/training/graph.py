@@ -18,7 +18,7 @@ from pipeline.cluster import resources as offers
 from pipeline.core import keys
 from pipeline.training import tasks
 from pipeline.training.tasks import move, pick
-from pipeline.data import arrays as data_arrays
+from pipeline.data import arrays as data_arrays, datasets
 from pipeline.data.augment import augment
 from pipeline.core.schedule import Round, epoch_permutation, shard_positions
 
@@ -56,8 +56,8 @@ def persist_dataset(client: distributed.Client, dataset, eval_chunk: int | None 
     (default :func:`eval_chunk_size` of the test set's size)."""
     from pipeline.data import images as image_readers
     eval_chunk = eval_chunk or eval_chunk_size(int(dataset.test_images.shape[0]))
-    test_images = dataset.test_images.rechunk({0: eval_chunk})
-    test_labels = dataset.test_labels.rechunk({0: eval_chunk})
+    test_images, test_labels = (datasets.row_blocks(a, eval_chunk)
+                                for a in (dataset.test_images, dataset.test_labels))
     stream, note, n_train = dataset.stream, "", int(dataset.train_images.shape[0])
     if stream is not None:
         cached, note = image_readers.cache_decision(
