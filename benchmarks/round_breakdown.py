@@ -38,15 +38,21 @@ def breakdown(records: list) -> dict:
             "tasks": dict(sorted(count.items()))}
 
 
+def _is_train(key) -> bool:
+    """Whether a task-stream key is a train- task's (``("train-<tok>", round, replica)``), not
+    one of its picks."""
+    from dask.utils import key_split
+    return isinstance(key, tuple) and len(key) == 3 and key_split(key[0]) == "train"
+
+
 def barriers(records: list) -> list:
     """Seconds each round boundary held the training: from the end of the last train- task of
     round r to the start of the last train- task of round r + 1 (picks, the average and its
     copies, the evaluation at an epoch's end, whatever a worker ran in between)."""
-    from dask.utils import key_split
     ends, starts = {}, {}
     for rec in records:
         key = rec.get("key")
-        if not (isinstance(key, tuple) and len(key) == 3 and key_split(key[0]) == "train"):
+        if not _is_train(key):
             continue
         for ss in rec.get("startstops", ()):
             if ss.get("action") == "compute":
@@ -61,11 +67,9 @@ def run_ends(records: list, start: float, end: float) -> dict:
     dispatch), ``busy_before_train`` (loading, augmenting, fetching), ``first_train_extra`` (its
     first train- task's compute over the median of its others: a fresh process's imports and
     first compiled calls); and ``tail``: from the last train- task's end to the run's end."""
-    from dask.utils import key_split
     spans: dict = {}
     for rec in records:
-        key = rec.get("key")
-        is_train = isinstance(key, tuple) and len(key) == 3 and key_split(key[0]) == "train"
+        is_train = _is_train(rec.get("key"))
         for ss in rec.get("startstops", ()):
             spans.setdefault(rec.get("worker"), []).append(
                 (ss["start"], ss["stop"], is_train and ss.get("action") == "compute"))

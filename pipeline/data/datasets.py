@@ -420,17 +420,21 @@ def row_blocks(array: da.Array, size: int) -> da.Array:
         return array
     name = keys.prefix("images" if array.ndim > 1 else "labels", tokenize(array.name, size)[:8])
     starts = np.cumsum((0,) + array.chunks[0]).tolist()
-    inputs = []
-    for k in array.__dask_keys__():
-        while isinstance(k, list):
-            k = k[0]
-        inputs.append(k)
+    blocks = list(zip(block_keys(array), starts, starts[1:]))  # (key, first row, end row)
     layer = {}
     for j, lo in enumerate(range(0, n, size)):
         hi, key = min(lo + size, n), (name, j) + (0,) * (array.ndim - 1)
-        cut = [(i, max(lo, a) - a, min(hi, b) - a)
-               for i, (a, b) in enumerate(zip(starts, starts[1:])) if a < hi and b > lo]
-        layer[key] = Task(key, rows.take_rows, tuple((lo_, hi_) for _, lo_, hi_ in cut),
-                          *(TaskRef(inputs[i]) for i, _, _ in cut))
+        inside = [(k, a, b) for k, a, b in blocks if a < hi and b > lo]
+        layer[key] = Task(key, rows.take_rows,
+                          tuple((max(lo, a) - a, min(hi, b) - a) for _, a, b in inside),
+                          *(TaskRef(k) for k, _, _ in inside))
     graph = HighLevelGraph.from_collections(name, layer, dependencies=[array])
     return da.Array(graph, name, (wanted, *array.chunks[1:]), meta=array._meta)
+
+
+def block_keys(array: da.Array) -> list:
+    """The keys of ``array``'s blocks along its first axis (its first block along the others)."""
+    found = array.__dask_keys__()
+    while isinstance(found, list) and found and isinstance(found[0], list):
+        found = [k[0] if isinstance(k, list) else k for k in found]
+    return found

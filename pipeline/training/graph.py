@@ -69,7 +69,7 @@ def persist_dataset(client: distributed.Client, dataset, eval_chunk: int | None 
 
     def blocks(array):
         by_key = {f.key: f for f in distributed.futures_of(array)}
-        return [by_key[k] for k in _block_keys(array)]
+        return [by_key[k] for k in datasets.block_keys(array)]
 
     test = [blocks(a) for a in arrays[-2:]]
     if stream is not None:
@@ -84,13 +84,6 @@ def data_lost(data: Persisted) -> bool:
     not merely lost with a worker (that one the scheduler recomputes from its ``load-`` task)."""
     blocks = [*data.train_images, *data.train_labels, *data.test_images, *data.test_labels]
     return any(f.cancelled() for f in blocks)
-
-
-def _block_keys(array) -> list:
-    keys = array.__dask_keys__()
-    while isinstance(keys, list) and keys and isinstance(keys[0], list):
-        keys = [k[0] if isinstance(k, list) else k for k in keys]
-    return keys
 
 
 class RoundGraph:
