@@ -213,6 +213,29 @@ class Watchdog:
             except TimeoutError:
                 self.check(suffix)
 
+    def gather(self, futures, suffix: str):
+        """``client.gather(futures)``, looking at the run's tasks every ``poll_s`` while it runs.
+
+        The fetch itself needs the look as much as the compute does: a worker stopped after its
+        task ended still accepts the connection (its kernel does) and never answers, and
+        distributed reads with no timeout. Once a look retires a worker the fetch in flight is
+        dropped and a new one starts; it waits for what the retired worker held to be computed
+        again, or raises for what cannot be (scattered state: recovery's to replay)."""
+        import asyncio
+        from concurrent.futures import TimeoutError as Pending
+        while True:
+            job = asyncio.run_coroutine_threadsafe(self.client._gather(futures),
+                                                   self.client.loop.asyncio_loop)
+            try:
+                while True:
+                    try:
+                        return job.result(timeout=self.poll_s)
+                    except Pending:
+                        if any(v.action == "retire" for v in self.check(suffix)):
+                            break
+            finally:
+                job.cancel()  # a no-op once it has finished
+
     def check(self, suffix: str) -> list[Verdict]:
         """One look: ask the scheduler, judge, log and retire; assign lost tasks again. Returns
         the verdicts acted on."""

@@ -423,7 +423,7 @@ class RoundGraph:
         """Host values of (nested lists of) futures: the driver's one way to wait. While it
         waits, the stalled-task watchdog looks at this attempt's tasks."""
         if self.watchdog is not None:
-            self.watchdog.wait(distributed.futures_of(futures), keys.suffix(self.token))
+            return self.watchdog.gather(futures, keys.suffix(self.token))
         return self.client.gather(futures)
 
     def first_done(self, futures: list) -> list:

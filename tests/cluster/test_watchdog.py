@@ -167,3 +167,43 @@ def test_a_task_no_worker_may_run_ends_the_attempt_as_lost_work(dask_client):
     assert dask_client.run_on_scheduler(watchdog.unrunnable, "-other") == []
     assert len(dask_client.run_on_scheduler(watchdog.unrunnable, "-nowork")) == 1
     held.cancel()
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_a_result_held_by_a_stopped_worker_is_gathered_from_its_recomputation():
+    """The driver's gather of a finished result the worker then stopped holding (SIGSTOP after
+    the task ended): distributed's own gather would wait on the silent worker's socket for good
+    (no read timeout; its kernel still accepts). The watchdog looks while the gather runs,
+    retires the silent worker, and the result is computed again on the other."""
+    import distributed
+    from pipeline.core.config import ClusterConfig
+    with subprocess_cluster(2) as cluster:
+        stopped = []
+        try:
+            with distributed.Client(cluster.address, set_as_default=False) as client:
+                info = client.scheduler_info(n_workers=-1)["workers"]
+                holder = sorted(info)[0]
+                done = client.submit(sum, [1, 2], key=("train-held", 0, 0), workers=[holder],
+                                     allow_other_workers=True)
+                assert done.result(timeout=30) == 3
+                index = int(info[holder]["name"].rsplit("-", 1)[1])
+                os.killpg(cluster.workers[index].pid, signal.SIGSTOP)
+                stopped.append(index)
+                log = []
+                dog = watchdog.Watchdog(client, ClusterConfig(stall_min_s=1.0, stall_report=2.0,
+                                                              stall_retire=4.0), log.append,
+                                        poll_s=0.2)
+                got = []
+                gathering = threading.Thread(target=lambda: got.append(dog.gather([done],
+                                                                                  "-held")),
+                                             daemon=True)
+                start = time.monotonic()
+                gathering.start()
+                gathering.join(timeout=60)
+                took = time.monotonic() - start
+                assert got == [[3]], (took, log)
+                assert any(x.startswith("stalled: ") and holder in x for x in log), log
+        finally:
+            for index in stopped:
+                os.killpg(cluster.workers[index].pid, signal.SIGKILL)
