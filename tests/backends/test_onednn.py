@@ -116,6 +116,39 @@ def test_each_thread_keeps_a_bounded_number_of_plans(monkeypatch):
     assert len(dnnl.thread_state()["plans"]) <= 4
 
 
+@needs_onednn
+def test_each_convolution_runs_on_one_openmp_thread_whatever_its_thread_was_set_to(monkeypatch):
+    """The OpenMP setting is the calling thread's own and not ours alone: threadpoolctl restores
+    the limits the first task in found from whichever task leaves last
+    (``core.threads.limit_blas_threads``), which set a worker thread whose oneDNN had been pinned
+    back to the machine's count; its convolutions then split their sums over 2 threads (other
+    bits: two replicas as threads of one worker failed now and then). Each call pins it again."""
+    import ctypes
+    import threading
+    from pipeline.backends.chainer.cpu_kernels import dnnl
+    gomp = ctypes.CDLL("libgomp.so.1")
+    if dnnl._LOAD["omp"] is None:
+        pytest.skip("this oneDNN does not run on OpenMP")
+    seen, run = [], dnnl.Plan.run
+
+    def spy(plan, stream, arrays):
+        seen.append(gomp.omp_get_max_threads())
+        return run(plan, stream, arrays)
+
+    x, w, b, stride, pad = _problem(8, 8, 8, 3, 4, 3, 1, 1, True, seed=0)
+
+    def work():
+        _passes(x, w, b, stride, pad)  # this thread's plans and pin
+        gomp.omp_set_num_threads(4)  # another party, as threadpoolctl's restore did
+        monkeypatch.setattr(dnnl.Plan, "run", spy)
+        _passes(x, w, b, stride, pad)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert seen and set(seen) == {1}, seen
+
+
 def test_chunks_depend_on_the_batch_alone():
     assert onednn.chunks(1) == [(0, 1)]
     assert onednn.chunks(32) == [(0, 32)]

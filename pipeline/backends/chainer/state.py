@@ -260,7 +260,7 @@ def cached_model(name, n_classes: int, device: str = "@numpy") -> chainer.Link:
     built once per thread and device.
 
     Its weights are whatever the last task left: callers load a state into it first. Building
-    A per-task rebuild of cifar10-2015 would still cost ~10 ms undrawn (``blank``).
+    one per task would cost ~10 ms for cifar10-2015 even undrawn (``blank``).
     A ``ModelRef``'s factory arrives unpickled afresh with each task: its token is the key.
     """
     cache = _links.__dict__.setdefault("models", {})

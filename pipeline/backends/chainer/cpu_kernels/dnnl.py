@@ -5,7 +5,7 @@ put ``libdnnl.so.3`` (the environment's ``lib/``), the system's, or ``PIPELINE_O
 ``PIPELINE_ONEDNN=0`` turns it off. A plan (:class:`Plan`) holds a primitive, its memory objects
 pointed at the caller's arrays on each run, the weights reorder between our plain OIHW and the
 layout the primitive chose, and a user scratchpad, so plans of one thread never share state; each
-thread runs oneDNN on one OpenMP thread (``omp_set_num_threads(1)`` once per thread).
+thread runs oneDNN on one OpenMP thread (``omp_set_num_threads(1)`` before each convolution).
 """
 from __future__ import annotations
 
@@ -166,12 +166,18 @@ class Key(NamedTuple):
 
 
 def thread_state():
-    """This thread's stream and plans; its OpenMP runtime set to one thread, once."""
+    """This thread's stream and plans, its OpenMP runtime set to one thread.
+
+    Set on every call, not once per thread: the setting is the calling thread's own, and others
+    change it. threadpoolctl (``core.threads.limit_blas_threads``) restores the limits the first
+    task in found from whichever thread leaves last, and a worker thread whose oneDNN had been
+    pinned then ran its convolutions on 2 OpenMP threads: other bits (a test of replicas as
+    threads failed now and then after an earlier run had loaded libgomp). One ctypes call."""
+    if _LOAD["omp"] is not None:
+        _LOAD["omp"](1)
     state = getattr(_local, "state", None)
     if state is None:
         lib = _LOAD["lib"]
-        if _LOAD["omp"] is not None:
-            _LOAD["omp"](1)
         stream = _P()
         _check(lib.dnnl_stream_create(ctypes.byref(stream), _LOAD["engine"], STREAM_IN_ORDER),
                "stream")
