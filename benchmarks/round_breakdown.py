@@ -103,7 +103,7 @@ def main(argv=None):
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--strategy", default="ipm")
     p.add_argument("--optimizer", default="adam")
-    p.add_argument("--detail", default="", help="print every task of this stage (e.g. average)")
+    p.add_argument("--detail", default="", help="print every task of these stages, comma-separated (e.g. average,train)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="any other config field (repeatable), e.g. cluster.pin_replicas=false")
     a = p.parse_args(argv)
@@ -129,10 +129,12 @@ def main(argv=None):
         sent = _bytes_sent(client) - sent
         records = stream()  # this run's records, by the stream's append count
     figures = breakdown(records)
-    for rec in records if a.detail else ():
-        if str(rec.get("key")).find(a.detail) >= 0:
-            print(rec["key"], rec.get("worker"), [(ss["action"], round(ss["stop"] - ss["start"], 3))
-                                                  for ss in rec.get("startstops", ())])
+    t0 = min((ss["start"] for rec in records for ss in rec.get("startstops", ())), default=0.0)
+    for rec in records if a.detail else ():  # (action, start since the first record, seconds)
+        if any(str(rec.get("key")).find(d) >= 0 for d in a.detail.split(",")):
+            print(rec["key"], rec.get("worker"),
+                  [(ss["action"], round(ss["start"] - t0, 3), round(ss["stop"] - ss["start"], 3))
+                   for ss in rec.get("startstops", ())])
     rounds = len(result.history)
     images = result.history[-1]["step"] * a.batch_size * a.replicas
     train_s = figures["seconds"].get("train.compute", 0.0)
