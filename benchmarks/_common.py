@@ -31,6 +31,13 @@ def local_client(workers: int, threads: int = 1, resources: dict | None = None,
         yield client
 
 
+def same_bits(a: dict, b: dict) -> bool:
+    """Whether two states (name -> array) hold the same keys, dtypes, shapes and bytes."""
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and a[k].tobytes() == b[k].tobytes()
+        for k in a)
+
+
 def timed(fn, *args, **kwargs):
     start = time.perf_counter()
     result = fn(*args, **kwargs)

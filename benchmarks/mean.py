@@ -15,7 +15,7 @@ import argparse
 import statistics
 import time
 
-from _common import emit  # noqa: I001  (puts the repo on the path)
+from _common import emit, same_bits  # noqa: I001  (puts the repo on the path)
 
 
 def states(model: str, k: int, adam: bool) -> list[dict]:
@@ -53,7 +53,6 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     a = p.parse_args(argv)
     from pipeline.averaging import compiled, exact
-    from tests.helpers import same_bits
     S = states(a.model, a.replicas, a.adam)
     weighted = [exact.leaf(s, w) for s, w in zip(S, range(1, a.replicas + 1))]
     nbytes = sum(v.nbytes for v in S[0].values())

@@ -18,7 +18,7 @@ import argparse
 import collections
 import time
 
-from _common import emit  # noqa: I001
+from _common import emit, same_bits  # noqa: I001
 
 
 def one_run(cfg, workers: int, pin: bool, loaders: int = 0) -> dict:
@@ -74,8 +74,7 @@ def main(argv=None):
         for pin in (True, False):
             runs[pin].append(one_run(cfg, a.workers, pin, a.loader_workers))
     first = runs[True][0]["params"]
-    same = all(r["params"][k].tobytes() == first[k].tobytes()
-               for rs in runs.values() for r in rs for k in first)
+    same = all(same_bits(r["params"], first) for rs in runs.values() for r in rs)
     if not same:
         raise SystemExit("pinned and unpinned runs gave different weights")
     paired = [u["wall"] / p_["wall"] for p_, u in zip(runs[True], runs[False])]
