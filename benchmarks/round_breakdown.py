@@ -103,7 +103,8 @@ def main(argv=None):
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--strategy", default="ipm")
     p.add_argument("--optimizer", default="adam")
-    p.add_argument("--detail", default="", help="print every task of these stages, comma-separated (e.g. average,train)")
+    p.add_argument("--detail", default="",
+                   help="print every task of these stages, comma-separated (e.g. average,train)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="any other config field (repeatable), e.g. cluster.pin_replicas=false")
     a = p.parse_args(argv)

@@ -23,6 +23,7 @@ knows of it; a task it has not been computing for ``stall_min_s`` is assigned ag
 """
 from __future__ import annotations
 
+import asyncio
 import statistics
 import time
 from collections import deque
@@ -221,8 +222,6 @@ class Watchdog:
         distributed reads with no timeout. Once a look retires a worker the fetch in flight is
         dropped and a new one starts; it waits for what the retired worker held to be computed
         again, or raises for what cannot be (scattered state: recovery's to replay)."""
-        import asyncio
-        from concurrent.futures import TimeoutError as Pending
         while True:
             job = asyncio.run_coroutine_threadsafe(self.client._gather(futures),
                                                    self.client.loop.asyncio_loop)
@@ -230,7 +229,7 @@ class Watchdog:
                 while True:
                     try:
                         return job.result(timeout=self.poll_s)
-                    except Pending:
+                    except TimeoutError:  # concurrent.futures' is the builtin since 3.11
                         if any(v.action == "retire" for v in self.check(suffix)):
                             break
             finally:
