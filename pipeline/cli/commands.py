@@ -70,6 +70,9 @@ def add_subcommands(sub) -> None:
     r.add_argument("--run", metavar="OUT", required=True, help="a run directory written by train")
     r.add_argument("images", metavar="IMAGE", nargs="+",
                    help="image files, or folders of them (sorted, nested folders too)")
+    r.add_argument("--model", metavar="pkg.module:factory",
+                   help="a run of your own model: name it again (a run directory never imports "
+                        "code)")
     r.add_argument("--top", metavar="K", type=int, default=3,
                    help="classes shown per image (default: 3)")
     r.add_argument("--format", choices=("table", "json"), default="table",
@@ -220,6 +223,9 @@ def _run_evaluate(args) -> int:
         config = run_config(args.run)
         # one line for a run without model.npz, or of your own model not named by --model
         load_model(args.run, args.model)
+        if not args.data and not _refindable(config):
+            print(dumps(_evaluate_kept(args, config)))
+            return 0
         args.model, args.weights = config.model.name, str(Path(args.run) / "model.npz")
         args.data = args.data or config.data.source
         model_args = config.model.args
@@ -235,12 +241,34 @@ def _run_evaluate(args) -> int:
     return 0
 
 
+def _refindable(config) -> bool:
+    from pipeline.data.datasets import facts
+    return facts(config.data.dataset).refindable
+
+
+def _evaluate_kept(args, config) -> dict:
+    """evaluate --run of a run whose data no source finds again (arrays from Python): on the
+    evaluation split it kept (pipeline.data.kept), else one line asking for --data."""
+    from pipeline.data.kept import EVAL_FILE, MAX_KEPT_BYTES
+    from pipeline.training.evaluate import _n_classes, evaluate_kept, model_of
+    run = Path(args.run)
+    if not (run / EVAL_FILE).is_file():
+        raise UsageError(f"{run} trained on arrays given from Python and kept no evaluation split "
+                         f"(no {EVAL_FILE}: it was over {MAX_KEPT_BYTES >> 20} MiB); give the test data with "
+                         "--data")
+    n_classes = _n_classes(run, config)
+    model = model_of(config, args.model, n_classes)
+    return evaluate_kept(model, str(run / "model.npz"), run, n_classes,
+                         tta=bool(getattr(args, "train.tta")))
+
+
 def _run_predict(args) -> int:
     from pipeline.outputs.fs import dumps
     from pipeline.training.predict import predict
     if args.top < 1:
         raise UsageError(f"--top must be >= 1, got {args.top}")
-    result = predict(args.run, args.images, tta=bool(getattr(args, "train.tta")))
+    result = predict(args.run, args.images, tta=bool(getattr(args, "train.tta")),
+                     model=args.model)
     for image, top in zip(result.images, result.top(args.top)):
         if args.format == "json":
             print(dumps({"image": image, "top": [{"class": n, "probability": round(p, 4)}

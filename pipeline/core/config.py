@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from pipeline.core.config_cluster import DAY_S, ClusterConfig, dashboard_port
 from pipeline.core.config_data import (CACHE_MODES, CPU_KERNELS, DATASETS, LABEL_KINDS,
-                                       RECORDED_DATASETS, AugmentConfig, DataConfig, ModelConfig)
+                                       KIND_FORM, AugmentConfig, DataConfig, ModelConfig)
 from pipeline.core.config_train import (ASYNC_ORDERS, ASYNC_PUSHES, AVERAGE_ALGORITHMS, DEVICES,
                                         LR_DECAYS, LR_SCALINGS, MAX_EPOCHS, MAX_REPLICAS,
                                         OPT_STATE_MODES, OPTIMIZERS, STALENESS_SCALINGS,
@@ -23,7 +23,7 @@ from pipeline.core.fields import WORDS, check, is_json_object, is_kind, opt, sho
 __all__ = ("Config", "DataConfig", "AugmentConfig", "ModelConfig", "TrainConfig",
            "AverageConfig", "AsyncConfig", "ClusterConfig", "STRATEGIES", "OPTIMIZERS", "DEVICES",
            "OPT_STATE_MODES", "LR_SCALINGS", "LR_DECAYS", "CPU_KERNELS", "AVERAGE_ALGORITHMS",
-           "CACHE_MODES", "DATASETS", "RECORDED_DATASETS", "LABEL_KINDS", "ASYNC_ORDERS",
+           "CACHE_MODES", "DATASETS", "KIND_FORM", "LABEL_KINDS", "ASYNC_ORDERS",
            "ASYNC_PUSHES", "STALENESS_SCALINGS", "MAX_EPOCHS", "MAX_REPLICAS", "DAY_S",
            "dashboard_port", "is_json_object", "opt")
 

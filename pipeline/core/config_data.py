@@ -3,6 +3,7 @@
 (``pipeline.core.fields.opt``); ``pipeline.core.config.Config`` holds them."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from pipeline.core.fields import check, check_types, in_range, is_json_object, opt
@@ -10,9 +11,9 @@ from pipeline.core.fields import check, check_types, in_range, is_json_object, o
 CPU_KERNELS = ("ours", "chainer")
 CACHE_MODES = ("auto", "on", "off")
 DATASETS = ("cifar10", "cifar100")
-# What a run's data was, as config.json records it (pipeline.data.datasets.KINDS): a CIFAR
-# name, or the reader of a source that is no CIFAR (the CIFAR reader never sees those).
-RECORDED_DATASETS = DATASETS + ("synthetic", "image-folder", "file-list")
+# What a run's data was, as config.json records it, is one of pipeline.data.datasets.KINDS (the
+# readers' own list, checked there: core cannot import data); here only its form.
+KIND_FORM = re.compile(r"[a-z0-9][a-z0-9-]{0,39}")
 LABEL_KINDS = ("fine", "coarse")
 
 
@@ -30,7 +31,7 @@ class DataConfig:
                          "when it is missing", flag="--download")
     dataset: str = opt("cifar10", "which CIFAR a directory holds or a download fetches (python "
                        "format); config.json records what the data was (cifar10, cifar100, "
-                       "synthetic, image-folder or file-list)", choices=DATASETS)
+                       "synthetic, image-folder, file-list or arrays)", choices=DATASETS)
     label_kind: str = opt("fine", "CIFAR-100 only: fine (100 classes) or coarse (20) labels",
                           choices=LABEL_KINDS)
     image_size: int | None = opt(
@@ -67,9 +68,9 @@ class DataConfig:
                self.cache)
         check(self.max_pixels >= 1, "data.max_pixels", "must be >= 1", self.max_pixels)
         check(self.decode_chunk >= 1, "data.decode_chunk", "must be >= 1", self.decode_chunk)
-        check(self.dataset in RECORDED_DATASETS, "data.dataset", "must be cifar10 or cifar100 "
-              "(or, as config.json records it, synthetic, image-folder or file-list)",
-              self.dataset)
+        check(bool(KIND_FORM.fullmatch(self.dataset)), "data.dataset", "must be cifar10 or "
+              "cifar100 (or, as config.json records it, the kind of data a run had: "
+              "pipeline.data.datasets.KINDS)", self.dataset)
         check(self.label_kind in LABEL_KINDS, "data.label_kind", "must be fine or coarse",
                self.label_kind)
 

@@ -63,8 +63,10 @@ def claims(source, cfg) -> bool:
 def plan(source, cfg, download: bool = False, client=None) -> Plan:
     """Check and normalise ``source`` (see the module docstring) -> Plan with ``arrays`` set."""
     if isinstance(source, (str, os.PathLike)):
-        raise DataError(f"{source}: data given to train(config, data=...) from Python; pass "
-                        "the same data again (the fingerprint is checked)")
+        raise DataError(f"this run trained on arrays given from Python ({str(source)[:40]}), "
+                        "which no path finds again: resume it in Python with train(config, "
+                        "data=<the same arrays>, resume=True) (their fingerprint is checked); "
+                        "evaluate --run and predict --run need only the run directory")
     parts = as_parts(source)
     x, kind, y = images(parts.x_train, "x_train")
     xt, _, yt = images(parts.x_test, "x_test") if parts.x_test is not None else (None, kind, None)
@@ -97,7 +99,7 @@ def _checked(parts, x, kind, y, xt, yt, cfg, client) -> Plan:
                 arrays=(x, label(y, x), xt, label(yt, xt)))
 
 
-ARRAYS = Reader("arrays", claims, plan, checks_on_driver=True)
+ARRAYS = Reader("arrays", claims, plan, checks_on_driver=True, refindable=False)
 
 
 def carried(*arrays):

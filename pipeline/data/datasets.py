@@ -71,10 +71,6 @@ class Dataset(NamedTuple):
     notes: tuple = ()  # one-line warnings about the data (a file named for another dataset)
 
 
-# What a source holds, as recorded in config.json (data.dataset) and OUT/data.json.
-KINDS = ("synthetic", "cifar10", "cifar100", "image-folder", "file-list", "arrays")
-
-
 def load_dataset(source: str, cfg: DataConfig | None = None, download: bool = False,
                  client=None) -> Dataset:
     """A source -> :class:`Dataset` of dask arrays, one ``load-`` (CIFAR) or ``decode-`` (image
@@ -105,8 +101,7 @@ def load_dataset(source: str, cfg: DataConfig | None = None, download: bool = Fa
         train_images, train_labels = _arrays(plan, plan.train, "train")
         test_images, test_labels = _arrays(plan, plan.test, "test")
     kind = kind_of(source, cfg, plan)
-    splits = ("train", "test") if kind in ("synthetic", "cifar10", "cifar100", "arrays") \
-        else ("train", "val")
+    splits = ("train", facts(kind).eval_split)
     return Dataset(train_images, train_labels, test_images, test_labels, list(plan.label_names),
                    len(plan.label_names), plan.source, plan.stream, plan.info, kind, splits,
                    name_mismatch(source, kind))
@@ -220,6 +215,7 @@ def checks_on_driver(source: str, cfg: DataConfig) -> bool:
 
 def _plan(source: str, cfg: DataConfig, download: bool, client=None) -> Plan:
     cfg.validate()
+    facts(cfg.dataset)  # a kind some reader records
     source = os.fspath(source) if isinstance(source, (str, os.PathLike)) else source
     reader = reader_for(source, cfg)
     side = reader.image_side
@@ -263,8 +259,22 @@ READERS: tuple[Reader, ...] = (
     image_readers.FILE_LIST,  # lines "path label" (.txt, .lst, ...)
     image_readers.IMAGE_FOLDER,  # a directory of class folders without CIFAR data in it
     Reader("cifar", lambda source, cfg: True, _cifar_plan,  # python, binary, CIFAR-100, tarballs
-           checks_on_driver=True, image_side=32),
+           checks_on_driver=True, image_side=32, kinds=("cifar10", "cifar100")),
 )
+KINDS: tuple[str, ...] = tuple(k for r in READERS for k in r.recorded())  # data.dataset's values
+
+
+def facts(kind: str) -> Reader:
+    """The reader whose runs record ``kind``; DataError for a kind no reader records.
+
+    >>> facts("image-folder").eval_split, facts("cifar100").name, facts("arrays").refindable
+    ('val', 'cifar', False)
+    """
+    found = next((r for r in READERS if kind in r.recorded()), None)
+    if not found:
+        raise DataError(f"data.dataset must be one of {', '.join(KINDS)} (what a run's data was), "
+                        f"got {str(kind)[:60]!r}")
+    return found
 
 
 def resolve_source(source: str, cfg: DataConfig, download: bool = False) -> str:

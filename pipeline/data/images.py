@@ -86,8 +86,10 @@ def plan_folder(source: str, cfg: DataConfig, download: bool = False, client=Non
     return _plan(train, val, cfg, "image-folder", root, client)
 
 
-FILE_LIST = Reader("file-list", claims_list, plan_list, checks_on_driver=False)
-IMAGE_FOLDER = Reader("image-folder", claims_folder, plan_folder, checks_on_driver=False)
+FILE_LIST = Reader("file-list", claims_list, plan_list, checks_on_driver=False,
+                   eval_split="val", image_files=True)
+IMAGE_FOLDER = Reader("image-folder", claims_folder, plan_folder, checks_on_driver=False,
+                      eval_split="val", image_files=True)
 
 
 def _val_listing(cfg: DataConfig, class_names: tuple) -> imagefolder.Listing:

@@ -51,3 +51,15 @@ class Reader(NamedTuple):
     #                         tasks on the workers (plan needs the client)
     image_side: int | None = None  # the side of every image when the format fixes it (CIFAR:
     #                                32); None: resized to data.image_size
+    # The facts a run records and reads back (config.json's data.dataset, OUT/data.json); every
+    # list of them elsewhere is derived from READERS (pipeline.data.datasets.KINDS, facts).
+    kinds: tuple = ()  # what config.json's data.dataset records for this reader's data; () : name
+    eval_split: str = "test"  # the split it evaluates on: "val" where held out of the images
+    image_files: bool = False  # made of image files: evaluation and predict read a centre crop
+    #                            resized to the run's size (pipeline.data.imagefolder.EVAL_CROP)
+    refindable: bool = True  # config.json's data.source finds the data again (False: arrays held
+    #                          in memory; a run keeps its evaluation split, EVAL_FILE)
+
+    def recorded(self) -> tuple:
+        """The kinds this reader's runs record in ``data.dataset``."""
+        return self.kinds or (self.name,)

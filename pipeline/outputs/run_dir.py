@@ -15,10 +15,11 @@ from pipeline.outputs import resume as resuming
 from pipeline.outputs import fs as rundir
 from pipeline.outputs.checkpoint import HostState
 from pipeline.core.errors import UsageError
+from pipeline.data.kept import EVAL_FILE
 
 # Files of a finished or interrupted run that --overwrite removes (strategies may add their own).
 RUN_FILES = ("metrics.jsonl", "metrics.csv", "model.npz", "curves.png", "summary.json",
-             "data.json")
+             "data.json", EVAL_FILE)
 RUN_DIRS = ("checkpoints", "tensorboard")
 
 
@@ -55,9 +56,10 @@ class RunDir:
     """The output directory of one run (``path`` None: a run that writes nothing)."""
 
     def __init__(self, path: Path | None, config, log=None, extra_files: tuple = (),
-                 data: dict | None = None):
+                 data: dict | None = None, kept: dict | None = None):
         self.path, self.config = path, config
         self.data = data  # data.json: the data's kind, class names and splits
+        self.kept = kept  # the evaluation split of data no source finds again (EVAL_FILE)
         self.log = log or (lambda message: None)
         self.extra_files = tuple(extra_files)
 
@@ -75,6 +77,9 @@ class RunDir:
         checkpoint.write_atomic(self.path / "config.json", self.config.to_json())
         if self.data is not None:
             checkpoint.write_atomic(self.path / "data.json", rundir.dumps(self.data, indent=1))
+        if self.kept is not None and not (resume and (self.path / EVAL_FILE).is_file()):
+            from pipeline.core import npz
+            checkpoint.write_atomic(self.path / EVAL_FILE, npz.to_bytes(self.kept))
         if resume:
             for name in checkpoint.remove_temporaries(self.path):  # a killed driver's half-writes
                 self.log(f"removed {name}, left by an interrupted write")

@@ -63,8 +63,26 @@ def evaluate_weights(model_name, weights: str, source: str, tta: bool = False,
                                                  tuple(ds.test_images.shape[2:]), ds.n_classes)
     params = read_weights(model_name, weights, ds.n_classes)
     spec = tasks.EvalSpec(model_name, ds.n_classes, tta)
-    images = ds.test_images.rechunk({0: chunk}).to_delayed().ravel()
-    labels = ds.test_labels.rechunk({0: chunk}).to_delayed().ravel()
+    return _evaluate(params, ds.test_images, ds.test_labels, spec, chunk)
+
+
+def evaluate_kept(model_name, weights: str, out: str | Path, n_classes: int,
+                  tta: bool = False, chunk: int = 1000) -> dict:
+    """:func:`evaluate_weights` on the evaluation split run ``out`` kept of data no source finds
+    again (arrays given from Python: ``pipeline.data.kept``); ``model_name`` resolved already."""
+    import dask.array as da
+    from pipeline.data import kept
+    images, labels = kept.read(out, n_classes)
+    params = read_weights(model_name, weights, n_classes)
+    spec = tasks.EvalSpec(model_name, n_classes, tta)
+    return _evaluate(params, da.from_array(images, chunks=(chunk, -1, -1, -1)),
+                     da.from_array(labels, chunks=chunk), spec, chunk)
+
+
+def _evaluate(params: dict, test_images, test_labels, spec, chunk: int) -> dict:
+    """``{"test_loss", "test_acc", "n"}``: one evaluate- task per ``chunk`` images, local threads."""
+    images = test_images.rechunk({0: chunk}).to_delayed().ravel()
+    labels = test_labels.rechunk({0: chunk}).to_delayed().ravel()
     token = keys.new_token()
     parts = [dask.delayed(tasks.evaluate, pure=True)(params, x, y, spec,
                                                      dask_key_name=keys.make("evaluate", token, i))
@@ -78,8 +96,14 @@ def evaluate_weights(model_name, weights: str, source: str, tta: bool = False,
 def run_config(out: str | Path):
     """The :class:`~pipeline.core.config.Config` of run directory ``out`` (its config.json, read as
     any input is: ``rundir.read_config``)."""
+    from pipeline.data.datasets import facts
     from pipeline.outputs.fs import read_config
-    return read_config(Path(out), DataError)
+    config = read_config(Path(out), DataError)
+    try:
+        facts(config.data.dataset)  # a kind some reader records
+    except DataError as exc:
+        raise DataError(f"{Path(out) / 'config.json'}: {exc}") from None
+    return config
 
 
 def _n_classes(out: Path, config) -> int:

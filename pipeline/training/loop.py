@@ -113,8 +113,9 @@ def train(config: Config, client=None, *, model=None, data=None, resume: bool = 
         ds = prep.dataset
         config = config.replace(**{"model.n_classes": ds.n_classes, "data.dataset": ds.kind,
                                    "model.input_size": prepare.image_size(config, ds)[0]})
+        kept = kept_split(ds) if out is not None else None
         run_dir = outputs.RunDir(out, config, log, strategies.get(config.train.strategy).files,
-                                 data=data_record(ds))
+                                 data=data_record(ds, kept is not None), kept=kept)
         try:
             return _run(client, run_dir, log, prep, stop, resume, overwrite,
                         dict(hooks=hooks, on_round=on_round))
@@ -125,10 +126,24 @@ def train(config: Config, client=None, *, model=None, data=None, resume: bool = 
             raise
 
 
-def data_record(dataset) -> dict:
+def kept_split(dataset) -> dict | None:
+    """The evaluation split a run keeps (``pipeline.data.kept``) when no source finds its data
+    again: arrays given from Python, up to kept.MAX_KEPT_BYTES; else None."""
+    from pipeline.data import kept
+    from pipeline.data.datasets import facts
+    if facts(dataset.kind).refindable or not kept.fits(dataset.test_images.nbytes):
+        return None
+    import dask
+    return kept.to_keep(*dask.compute(dataset.test_images, dataset.test_labels))
+
+
+def data_record(dataset, kept: bool = False) -> dict:
     """``OUT/data.json``: what the run's data was (kind, class names, splits and their sizes),
-    for ``predict`` and for readers of the run (pipeline.outputs.run_dir)."""
+    for ``predict`` and for readers of the run (pipeline.outputs.run_dir); ``eval_file``: the
+    evaluation split the run kept (pipeline.data.kept), or null."""
+    from pipeline.data.kept import EVAL_FILE
     return {"kind": dataset.kind, "source": str(dataset.source),
+            "eval_file": EVAL_FILE if kept else None,
             "class_names": [str(n) for n in dataset.label_names],
             "n_classes": int(dataset.n_classes),
             "splits": {"train": dataset.splits[0], "eval": dataset.splits[1]},

@@ -14,7 +14,6 @@ from pipeline.data.cifar import CIFAR10_LABEL_NAMES
 from pipeline.data import imagefolder
 from pipeline.training import tasks
 
-IMAGE_KINDS = ("image-folder", "file-list")  # sources evaluated on a centre crop (EVAL_CROP)
 MAX_IMAGES = 100_000  # one predict call decodes at most this many files (memory: N x 3 x S x S)
 
 
@@ -39,7 +38,7 @@ class Prediction(NamedTuple):
 
 class Model(NamedTuple):
     """A trained model as predict needs it: weights, what they are, how its images were read."""
-    name: str  # registry model name
+    name: object  # a registry model name, or the resolved ModelRef of the user's own model
     params: dict  # state dict
     class_names: list
     side: int  # pixels of the square images the model saw
@@ -47,17 +46,20 @@ class Model(NamedTuple):
     cpu_kernels: str = "ours"
 
 
-def predict(run_or_model, images, *, tta: bool = False, batch_size: int = 100) -> Prediction:
+def predict(run_or_model, images, *, tta: bool = False, batch_size: int = 100,
+            model=None) -> Prediction:
     """Class probabilities of ``images`` under a trained model.
 
-    ``run_or_model``: a run directory (``OUT``) or what ``train`` returned. ``images``: an image
+    ``run_or_model``: a run directory (``OUT``) or what ``train`` returned. ``model``: a run of
+    your own model names it again (its class or callable, or ``"pkg.module:factory"``), as
+    ``load_model`` takes it: a run directory never imports code. ``images``: an image
     file, a folder (its image files, sorted, nested folders too), a list of those, or a
     ``(N, 3, S, S) uint8`` array already at the run's image size. Files are read as the run's
     evaluation read its split: the centred square resized to the run's size (image folders and
     file lists: to ``size / 0.875``, then the centre ``size`` kept). DataError for an unreadable
     image; UsageError for a run without a model.
     """
-    model = load(run_or_model)
+    model = load(run_or_model, model)
     pixels, names = read_images(images, model)
     spec = tasks.EvalSpec(model.name, len(model.class_names), tta, batch_size=batch_size,
                           cpu_kernels=model.cpu_kernels)
@@ -65,32 +67,46 @@ def predict(run_or_model, images, *, tta: bool = False, batch_size: int = 100) -
     return Prediction(proba, list(model.class_names), names)
 
 
-def load(run_or_model) -> Model:
-    """A :class:`Model` from a run directory or a ``train`` result (``.params``, ``.config``)."""
+def load(run_or_model, model=None) -> Model:
+    """A :class:`Model` from a run directory or a ``train`` result (``.params``, ``.config``);
+    ``model``: the user's own model named again (see predict)."""
     if isinstance(run_or_model, Model):
         return run_or_model
     if isinstance(run_or_model, (str, os.PathLike)):
-        return _from_run(Path(run_or_model))
+        return _from_run(Path(run_or_model), model)
     config, params = getattr(run_or_model, "config", None), getattr(run_or_model, "params", None)
     if config is None or not isinstance(params, dict):
         raise TypeError("predict needs a run directory or the result of train() "
                         f"(got {type(run_or_model).__name__})")
     out = getattr(run_or_model, "out", None)
     record = _data_record(Path(out)) if out else None
-    return _model(config, params, record)
+    link = getattr(run_or_model, "model", None)  # train's result holds its model already
+    from pipeline.training.evaluate import model_of
+    if model is None and link is not None and config.model.name not in _registry():
+        from pipeline.backends import user as user_code
+        if user_code.path_of(type(link)) == config.model.name:  # train(model=TheClass): that class again
+            model = type(link)
+    name = model_of(config, model, config.model.n_classes)
+    return _model(config, params, record, name)
 
 
-def _from_run(out: Path) -> Model:
-    from pipeline.training.evaluate import _n_classes, read_weights, run_config
+def _registry() -> tuple:
+    from pipeline.backends import get_backend
+    return tuple(get_backend().model_names())
+
+
+def _from_run(out: Path, model=None) -> Model:
+    from pipeline.training.evaluate import _n_classes, model_of, read_weights, run_config
     config = run_config(out)
     weights = out / "model.npz"
     if not weights.is_file():
         from pipeline.training.evaluate import load_model
-        load_model(out)  # the one line saying where the latest checkpoint's weights are
+        load_model(out, model)  # the one line saying where the latest checkpoint's weights are
     record = _data_record(out)
     n_classes = int(record["n_classes"]) if record else _n_classes(out, config)
-    params = read_weights(config.model.name, str(weights), n_classes)
-    return _model(config.replace(**{"model.n_classes": n_classes}), params, record)
+    name = model_of(config, model, n_classes)  # the user's model: named again, checked
+    params = read_weights(name, str(weights), n_classes)
+    return _model(config.replace(**{"model.n_classes": n_classes}), params, record, name)
 
 
 def _data_record(out: Path) -> dict | None:
@@ -104,21 +120,25 @@ def _data_record(out: Path) -> dict | None:
     if not (isinstance(names, list) and all(isinstance(n, str) for n in names)
             and record.get("n_classes") == len(names) and 2 <= len(names) <= 100_000):
         raise DataError(f"{path}: no list of class names matching n_classes")
+    from pipeline.data.datasets import KINDS
+    if record.get("kind") not in KINDS:
+        raise DataError(f"{path}: kind must be one of {', '.join(KINDS)}")
     return record
 
 
-def _model(config, params: dict, record: dict | None) -> Model:
+def _model(config, params: dict, record: dict | None, name) -> Model:
+    from pipeline.data.datasets import facts
     kind = record["kind"] if record else config.data.dataset
     n = config.model.n_classes
     names = record["class_names"] if record else _guess_names(config, n)
     if len(names) != n:
         raise UsageError(f"the run names {len(names)} classes, its model has {n}")
-    image_like = kind in IMAGE_KINDS or (record is None and _is_image_source(config))
+    image_like = facts(kind).image_files or (record is None and _is_image_source(config))
     side = config.data.image_size or _default_side(image_like)
     if record and isinstance(record.get("image_shape"), list):
         side = int(record["image_shape"][-1])
     crop = imagefolder.EVAL_CROP if image_like else 1.0
-    return Model(config.model.name, params, list(names), side, crop, config.model.cpu_kernels)
+    return Model(name, params, list(names), side, crop, config.model.cpu_kernels)
 
 
 def _default_side(image_like: bool) -> int:
@@ -129,7 +149,7 @@ def _default_side(image_like: bool) -> int:
 def _is_image_source(config) -> bool:
     from pipeline.data.datasets import reader_for
     try:
-        return reader_for(config.data.source, config.data).name in IMAGE_KINDS
+        return reader_for(config.data.source, config.data).image_files
     except (OSError, DataError):
         return False
 

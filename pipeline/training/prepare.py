@@ -24,6 +24,8 @@ def normalise(config: Config) -> Config:
     """``config`` validated, with its auto fields filled by the strategy's recipe (config.json
     shows them)."""
     config.validate()
+    from pipeline.data.datasets import facts
+    facts(config.data.dataset)  # a kind some reader records (DataError naming data.dataset)
     get_backend().check_model(config.model.name)  # a name, or the form pkg.module:factory
     aug.get_policy(config.augment.policy)  # ValueError naming augment.policy
     strategy = strategies.get(config.train.strategy)

@@ -65,5 +65,7 @@ def test_every_field_carries_its_description():
 def test_declared_choices_are_what_validation_accepts(name, f):
     for value in f.metadata["choices"]:
         Config().replace(**{name: value}).validate()
+    if name == "data.dataset":  # also what a run recorded: the readers' kinds, refused by them
+        return  # (tests/training/test_round_trip.py::test_the_kinds_are_the_readers_own)
     with pytest.raises(ValueError, match=name.replace(".", r"\.")):
         Config().replace(**{name: "bogus"}).validate()
