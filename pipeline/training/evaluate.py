@@ -51,7 +51,8 @@ def load_weights(model_name, weights: str, n_classes: int):
 def evaluate_weights(model_name, weights: str, source: str, tta: bool = False,
                      chunk: int = 1000, data=None, model_args: str = "{}") -> dict:
     """``{"test_loss", "test_acc", "n"}`` of the weights on the test split of ``source`` (an
-    image source's val split); ``data``: the DataConfig that says how to read it.
+    image source's val split: ``val_loss``, ``val_acc``); ``data``: the DataConfig that says
+    how to read it.
     ``model_name``: a registry name, or an import path the user named (imported, with
     ``model_args``, and checked at the data's image size)."""
     from pipeline.backends import user as user_code
@@ -63,7 +64,7 @@ def evaluate_weights(model_name, weights: str, source: str, tta: bool = False,
                                                  tuple(ds.test_images.shape[2:]), ds.n_classes)
     params = read_weights(model_name, weights, ds.n_classes)
     spec = tasks.EvalSpec(model_name, ds.n_classes, tta)
-    return _evaluate(params, ds.test_images, ds.test_labels, spec, chunk)
+    return _evaluate(params, ds.test_images, ds.test_labels, spec, chunk, ds.splits[1])
 
 
 def evaluate_kept(model_name, weights: str, out: str | Path, n_classes: int,
@@ -79,8 +80,10 @@ def evaluate_kept(model_name, weights: str, out: str | Path, n_classes: int,
                      da.from_array(labels, chunks=chunk), spec, chunk)
 
 
-def _evaluate(params: dict, test_images, test_labels, spec, chunk: int) -> dict:
-    """``{"test_loss", "test_acc", "n"}``: one evaluate- task per ``chunk`` images, local threads."""
+def _evaluate(params: dict, test_images, test_labels, spec, chunk: int,
+              split: str = "test") -> dict:
+    """``{"<split>_loss", "<split>_acc", "n"}`` (split: test, or val where the data's reader
+    evaluates on a held-out val split): one evaluate- task per ``chunk`` images, local threads."""
     images = test_images.rechunk({0: chunk}).to_delayed().ravel()
     labels = test_labels.rechunk({0: chunk}).to_delayed().ravel()
     token = keys.new_token()
@@ -89,8 +92,8 @@ def _evaluate(params: dict, test_images, test_labels, spec, chunk: int) -> dict:
              for i, (x, y) in enumerate(zip(images, labels))]
     results = dask.compute(*parts, scheduler="threads")
     n = sum(r["n"] for r in results)
-    return dict(test_loss=sum(r["loss_sum"] for r in results) / n,
-                test_acc=sum(r["correct"] for r in results) / n, n=n)
+    return {f"{split}_loss": sum(r["loss_sum"] for r in results) / n,
+            f"{split}_acc": sum(r["correct"] for r in results) / n, "n": n}
 
 
 def run_config(out: str | Path):

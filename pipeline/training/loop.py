@@ -188,7 +188,7 @@ def _stop_before_start(stop, anchor: HostState, out: outputs.RunDir) -> None:
     if stop is not None:
         stop.in_setup = False
     if stop is not None and stop.requested:
-        where = (f"; resume: python -m pipeline train --resume {out.path}"
+        where = (f"; resume: {recovery.resume_command(out.path, out.config)}"
                  if anchor.round >= 0 else "; nothing was written")
         raise Interrupted(f"interrupted ({stop.name}) before round {anchor.round + 1}{where}",
                           stop.exit_status)
@@ -267,7 +267,7 @@ class _Loop:
                        "was saved")
         else:
             message = (f"interrupted after round {r} ({done}; {self.stop.name}); checkpoint "
-                       f"saved; resume: python -m pipeline train --resume {self.out.path}")
+                       f"saved; resume: {recovery.resume_command(self.out.path, self.out.config)}")
         raise Interrupted(message, self.stop.exit_status)
 
     def _save_anchor(self, attempt: Attempt) -> None:
@@ -375,7 +375,8 @@ class _Loop:
         recovery.forget(held, exc)
 
     def _hint(self, anchor: HostState) -> str:
-        return recovery.resume_hint(self.out.path, anchor.round, self.out.has_checkpoint())
+        return recovery.resume_hint(self.out.path, anchor.round, self.out.has_checkpoint(),
+                                    self.out.config)
 
     def _collecting(self, anchor: HostState) -> int:
         """The round the driver was waiting for: one after the last reported (the last round

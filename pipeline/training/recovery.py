@@ -137,7 +137,7 @@ def roster(client) -> dict:
     return {address: str(w.get("name", address)) for address, w in workers.items()}
 
 
-def resume_hint(out, anchor_round: int, has_checkpoint: bool) -> str:
+def resume_hint(out, anchor_round: int, has_checkpoint: bool, config=None) -> str:
     """``; <where the run can go on from>`` for the error that ends it.
 
     >>> resume_hint(None, 5, True)
@@ -149,8 +149,40 @@ def resume_hint(out, anchor_round: int, has_checkpoint: bool) -> str:
         return "; no --out was given, so there is nothing to resume"
     if anchor_round >= 0 and has_checkpoint:
         return (f"; the last checkpoint is round {anchor_round}: resume with "
-                f"`python -m pipeline train --resume {out}`")
+                f"`{resume_command(out, config)}`")
     return f"; no checkpoint yet: start again with --out {out} --overwrite"
+
+
+def resume_command(out, config=None) -> str:
+    """The command that goes on with run ``out``, with every option a resume needs: the user's
+    model named again (a run directory never imports code); for data given from Python, the
+    Python call. ``config`` None: read from ``OUT/config.json`` (the defaults where unreadable).
+
+    >>> from pipeline.core.config import Config
+    >>> resume_command("runs/a", Config().replace(**{"model.name": "nets:Net"}))
+    'python -m pipeline train --resume runs/a --model nets:Net'
+    >>> resume_command("runs/b", Config().replace(**{"data.dataset": "arrays"}))
+    'train(config, data=<the same arrays>, resume=True) in Python (out=runs/b)'
+    """
+    from pipeline.backends import get_backend
+    from pipeline.data.datasets import facts
+    config = config if config is not None else _saved_config(out)
+    if config is not None and not facts(config.data.dataset).refindable:
+        return f"train(config, data=<the same arrays>, resume=True) in Python (out={out})"
+    command = f"python -m pipeline train --resume {out}"
+    name = config.model.name if config is not None else ""
+    if name and name not in get_backend().model_names():
+        command += f" --model {name}"
+    return command
+
+
+def _saved_config(out):
+    from pipeline.core.errors import DataError
+    from pipeline.outputs.fs import read_config
+    try:
+        return read_config(out, DataError)
+    except DataError:
+        return None
 
 
 class ConnectionLossFilter(logging.Filter):

@@ -142,7 +142,8 @@ def test_every_kind_of_run_reads_back_what_it_wrote(case, own_model, tmp_path, c
     seen = _read_back(out, model, name, None)
     assert seen["record"]["kind"] == kind
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert printed["n"] == seen["record"]["images"][facts(kind).eval_split]
+    split = facts(kind).eval_split  # evaluate names the split it read (val for image sources)
+    assert printed["n"] == seen["record"]["images"][split] and f"{split}_acc" in printed
 
     if data is not None:  # arrays: resumed from Python with the same data; the CLI says so
         named = ["--model", name] if own_model else []
