@@ -14,6 +14,13 @@ from pipeline.core.interrupt import ForcedStop
 TRAIN_OPTIONS = options.options()
 _EVALUATE_DATA = options.pick("data.image_size", "data.val_source", "data.image_root")
 
+# What people set most: train --help opens with these (the rest follow by config section).
+MOST_USED = ("data.source", "model.name", "train.strategy", "train.replicas", "train.epochs",
+             "train.batch_size", "train.lr", "train.device")
+TRAIN_USAGE = ("python -m pipeline train [--data SOURCE] [--model NAME] [--strategy NAME] "
+               "[--replicas K]\n       [--epochs E] [--batch-size B] [--lr LR] [--out OUT | "
+               "--resume OUT] [options]")
+
 TRAIN_DESCRIPTION = """\
 Train a model with K replicas on a Dask cluster (a local one unless --scheduler is given).
 
@@ -29,7 +36,7 @@ on from there."""
 
 def add_subcommands(sub) -> None:
     p = sub.add_parser("train", help="train a model on a Dask cluster (see train --help)",
-                       description=TRAIN_DESCRIPTION,
+                       description=TRAIN_DESCRIPTION, usage=TRAIN_USAGE,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", metavar="OUT", default=None,
                    help="output directory (default: runs/STRATEGY-YYYYmmdd-HHMMSS)")
@@ -46,7 +53,7 @@ def add_subcommands(sub) -> None:
                    help="set any config field, also those without an option (data.split_seed=1, "
                         "data.max_pixels=1000000, data.label_kind=coarse); repeatable; wins over "
                         "--config and the options")
-    options.add_options(p, TRAIN_OPTIONS, grouped=True)
+    options.add_options(p, TRAIN_OPTIONS, grouped=True, first=MOST_USED)
     p.set_defaults(func=_run_train)
 
     e = sub.add_parser("evaluate", help="test accuracy of a trained model",

@@ -62,16 +62,23 @@ def pick(*dests: str) -> list[Option]:
 
 
 def add_options(parser, opts: list[Option], grouped: bool = False, frame: str = "{}",
-                required: tuple = ()) -> None:
+                required: tuple = (), first: tuple = ()) -> None:
     """Add ``opts`` to ``parser``, unset (None) unless given, so a resume can tell them from the
     saved config's values; ``grouped`` puts each section under its own heading, ``frame``
     frames the default that --help shows ("from config.json, else {}"); the options named in
-    ``required`` (dests) must be given and show no default."""
+    ``required`` (dests) must be given and show no default; those in ``first`` (dests) open the
+    help under "most used", the rest under their sections."""
     groups = {}
-    for o in opts:
+    if first:
+        groups[None] = parser.add_argument_group("most used (the rest by config section below)")
+        # argparse prints groups in creation order and made its own two first: move ours up
+        parser._action_groups.insert(0, parser._action_groups.pop())
+    for o in sorted(opts, key=lambda o: o.dest not in first):
         section = o.dest.rpartition(".")[0]
         target = parser
-        if grouped and section:
+        if o.dest in first:
+            target = groups[None]
+        elif grouped and section:
             if section not in groups:
                 groups[section] = parser.add_argument_group(f"{section} (config section)")
             target = groups[section]

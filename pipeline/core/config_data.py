@@ -119,7 +119,7 @@ class ModelConfig:
                           "model with lazily sized parameters there")
     cpu_kernels: str = opt("ours", "what runs convolution, pooling and BatchNorm on CPU workers "
                            "(ours: the NumPy kernels of pipeline.backends.chainer.cpu_kernels, "
-                           "2.9-3.7x faster per step at batch 100, docs/benchmarks.md; chainer: "
+                           "faster per step: docs/benchmarks.md; chainer: "
                            "Chainer's functions, which GPU workers always run)",
                            flag="--cpu-kernels", metavar="KIND", choices=CPU_KERNELS)
 
