@@ -2,7 +2,9 @@
 named, the path a callable is recorded under, and how its code reaches the workers.
 
 A path is imported only because the user named it (``--model``, ``train(model=...)``); a
-config.json alone never makes us import code (``needs_model``).
+config.json alone never makes us import code (``needs_model``), and what is named must look like a
+model factory before anything calls it (``unfit``): a run directory is input, and any importable callable with
+keyword parameters (``os:system``) would otherwise be a payload for its ``model.args``.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import inspect
 import re
 import sys
 import sysconfig
+import types
 
 from pipeline.core.errors import UsageError, one_line
 
@@ -65,6 +68,46 @@ def path_of(factory) -> str:
     module = getattr(factory, "__module__", None) or "__main__"
     name = getattr(factory, "__qualname__", None) or type(factory).__qualname__
     return f"{module}:{name}".replace("<locals>.", "")
+
+
+def _stdlib(obj) -> bool:
+    """Whether ``obj`` is defined by the standard library or ``builtins`` (its module's top-level
+    name): no model lives there, and ``os``, ``subprocess``, ``shutil``... act on the system."""
+    module = getattr(obj, "__module__", None) or ""
+    top = module.split(".")[0]
+    return top == "builtins" or top in sys.stdlib_module_names
+
+
+def _what_instance(obj) -> str:
+    """What a callable that is neither a class nor a Python function is ("a method-wrapper")."""
+    kind = type(obj).__name__
+    if not callable(obj):
+        return f"a {kind}, not callable"
+    return f"a {kind}" if _stdlib(type(obj)) else f"a callable {kind} instance"
+
+
+def unfit(factory) -> str | None:
+    """Why ``factory`` cannot be a model factory, as "a built-in function" and the like; None for
+    a class (its framework checks the base class) or a plain Python function (a
+    ``functools.partial`` of one too) from outside the standard library, whose return value is
+    checked after the call. Built-ins, C functions, method wrappers and callable instances of
+    arbitrary types are refused before anything calls them.
+
+    >>> import json
+    >>> unfit(len), unfit(json.loads), unfit(is_import_path) is None
+    ('a built-in function', 'a function of the standard library (json)', True)
+    """
+    while isinstance(factory, functools.partial):
+        factory = factory.func
+    if isinstance(factory, type):
+        return None
+    if isinstance(factory, (types.BuiltinFunctionType, types.BuiltinMethodType)):
+        return "a built-in function"
+    if not isinstance(factory, types.FunctionType):
+        return _what_instance(factory)
+    if _stdlib(factory):
+        return f"a function of the standard library ({factory.__module__.split('.')[0]})"
+    return None
 
 
 def _installed(module) -> bool:
