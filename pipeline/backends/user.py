@@ -2,8 +2,9 @@
 named, the path a callable is recorded under, and how its code reaches the workers.
 
 A path is imported only because the user named it (``--model``, ``train(model=...)``); a
-config.json alone never makes us import code (``needs_model``), and what is named must look like a
-model factory before anything calls it (``unfit``): a run directory is input, and any importable callable with
+config.json alone never makes us import code (``needs_model``), its recorded arguments reach only
+the factory recorded with them (``paired``), and what is named must look like a model factory
+before anything calls it (``unfit``): a run directory is input, and any importable callable with
 keyword parameters (``os:system``) would otherwise be a payload for its ``model.args``.
 """
 from __future__ import annotations
@@ -31,12 +32,27 @@ def is_import_path(name: str) -> bool:
     return isinstance(name, str) and bool(IMPORT_PATH.match(name))
 
 
-def needs_model(name: str) -> UsageError:
-    """The one line for a run whose config names the user's code and no model was named."""
-    name = name[:120]
-    return UsageError(f"this run's model is {name}, your own code, which a run directory never "
-                      f"imports: name it again (--model {name} on the command line, "
-                      f"model=... in Python)")
+def needs_model() -> UsageError:
+    """The one line for a run whose config names the user's code and no model was named. It
+    never echoes the recorded path: a crafted config.json would have us hint at ``os:system``."""
+    return UsageError("this run's model is your own code, which a run directory never imports: "
+                      "name it again (--model pkg.module:factory on the command line, model=... "
+                      "in Python)")
+
+
+def paired(recorded: str, named: str) -> None:
+    """UsageError unless ``named`` (the model the user gave for a run directory) is the one the
+    run recorded: the run's ``model.args`` are then used with the factory they were recorded
+    with, never with another. Only user code takes arguments, so two registry names are left to
+    the resume's own comparison. The recorded name is not echoed (see ``needs_model``).
+
+    >>> paired("nets:Net", "nets:Net"), paired("small-cnn", "resnet20")
+    (None, None)
+    """
+    if named != recorded and (is_import_path(named) or is_import_path(recorded)):
+        raise UsageError(f"this run's model is a different one than the one you named "
+                         f"({str(named)[:120]}): a run is resumed and evaluated only with its own "
+                         f"model")
 
 
 def import_factory(path: str):
