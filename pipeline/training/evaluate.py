@@ -96,7 +96,7 @@ def _n_classes(out: Path, config) -> int:
 def load_model(out: str | Path, model=None):
     """The trained model of run directory ``out``: a Chainer Link of the architecture named in
     ``OUT/config.json`` holding the weights of ``OUT/model.npz``, ready for inference. A run of
-    your own model needs it named again: ``model=`` the class or callable, or its import path
+    your own model needs it named again: ``model=`` the class or function, or its import path
     (config.json alone never makes us import code)::
 
         from pipeline import load_model

@@ -1,13 +1,14 @@
 """Models the registry does not name: the user's factories and Chainer's own architectures, as
 ``ModelRef`` values checked on the driver (one dry forward) and built inside tasks.
 
-A factory is a class or callable returning a ``chainer.Link`` that maps (N, 3, H, W) float32 to
-(N, classes) logits. It is imported only when the user names it (``--model pkg.module:factory``,
-``train(config, model=...)``), never because a run directory's config.json says so. Its
-randomness is seeded here: initial weights (initializers and lazily sized parameters draw from
-NumPy's global RNG) from the run seed's "init" stream, and everything a training step draws from
-the global RNGs (``F.dropout``) from the run seed keyed by (round, replica), under one lock so
-two tasks in threads of one worker never interleave their draws.
+A factory is a Link class or a Python function returning a ``chainer.Link`` (``check_factory``,
+before any call) that maps (N, 3, H, W) float32 to (N, classes) logits. It is imported only when
+the user names it (``--model pkg.module:factory``, ``train(config, model=...)``), never because a
+run directory's config.json says so. Its randomness is seeded here: initial weights
+(initializers and lazily sized parameters draw from NumPy's global RNG) from the run seed's
+"init" stream, and everything a training step draws from the global RNGs (``F.dropout``) from the
+run seed keyed by (round, replica), under one lock so two tasks in threads of one worker never
+interleave their draws.
 """
 from __future__ import annotations
 
