@@ -113,6 +113,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
             raise UsageError("--resume OUT goes on with OUT's config.json; do not also give "
                              "--config")
         base = saved_config(Path(args.resume))
+        from pipeline.backends import user as user_code  # its model.args: its own model's only
+        user_code.paired(base.model.name, given.get("model.name", base.model.name))
         given["out"] = args.resume
     else:
         base = config_file_config(Path(config_file)) if config_file else Config()

@@ -102,9 +102,8 @@ class ModelConfig:
                     "parameters; resnet20: He et al.'s CIFAR ResNet-20, 0.27 M; small-cnn: 15 k "
                     "parameters, fast on a CPU; wide-mlp: a 100.9 MB state for communication "
                     "experiments; resnet50, vgg16, googlenet: Chainer's ImageNet architectures, "
-                    "random init, a fresh head), or your own: "
-                    "pkg.module:factory, a class or callable returning a chainer.Link (README, "
-                    "'Your own model'); config.json records it, and a resume or evaluate of the "
+                    "random init, a fresh head), or your own: pkg.module:factory, a Link class "
+                    "or a function returning a chainer.Link (README, 'Your own model'); config.json records it, and a resume or evaluate of the "
                     "run needs it named again", flag="--model", metavar="NAME")
     args: str = opt("{}", "keyword arguments of a pkg.module:factory model, a JSON object "
                     "(n_classes= is passed too when the factory names that parameter)",

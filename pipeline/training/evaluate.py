@@ -7,6 +7,7 @@ from pathlib import Path
 import dask
 
 from pipeline.backends import get_backend, model_label
+from pipeline.backends import user as user_code
 from pipeline.core import keys, npz
 from pipeline.core.errors import DataError, UsageError
 from pipeline.training import tasks
@@ -20,6 +21,8 @@ def read_weights(model_name, weights: str, n_classes: int) -> dict:
     never Chainer's ``load_npz``, which unpickles. DataError for a file that is not a readable
     ``.npz``; UsageError when its arrays are not the model's.
     """
+    if isinstance(model_name, str) and user_code.is_import_path(model_name):
+        raise user_code.needs_model()  # a run's recorded path (predict --run): never imported
     backend = get_backend()
     backend.check_model(model_name)
     try:
@@ -36,8 +39,7 @@ def model_of(config, model, n_classes: int):
     from pipeline.training import prepare
     recorded = config.model.name
     config, factory = prepare.user_model(config, model)
-    if config.model.name != recorded:
-        raise UsageError(f"this run's model is {recorded[:120]}, not {config.model.name[:120]}")
+    user_code.paired(recorded, config.model.name)  # the run's model.args go to its own model only
     return get_backend().resolve_model(config.model.name, config.model.args, factory,
                                        prepare.image_size(config, None), n_classes)
 
@@ -55,7 +57,6 @@ def evaluate_weights(model_name, weights: str, source: str, tta: bool = False,
     how to read it.
     ``model_name``: a registry name, or an import path the user named (imported, with
     ``model_args``, and checked at the data's image size)."""
-    from pipeline.backends import user as user_code
     from pipeline.data.datasets import load_dataset
     ds = load_dataset(source, data)
     if isinstance(model_name, str):
@@ -122,7 +123,7 @@ def _n_classes(out: Path, config) -> int:
 def load_model(out: str | Path, model=None):
     """The trained model of run directory ``out``: a Chainer Link of the architecture named in
     ``OUT/config.json`` holding the weights of ``OUT/model.npz``, ready for inference. A run of
-    your own model needs it named again: ``model=`` the class or callable, or its import path
+    your own model needs it named again: ``model=`` the class or function, or its import path
     (config.json alone never makes us import code)::
 
         from pipeline import load_model

@@ -62,8 +62,8 @@ def train(config: Config, client=None, *, model=None, data=None, resume: bool = 
     (:mod:`pipeline.outputs.hooks`) besides the ones the config asks for. The data, the device
     and a resumed checkpoint are checked before any cluster starts.
 
-    ``model``: your own model, a class or callable returning a ``chainer.Link`` (keyword
-    arguments from ``model.args``; ``n_classes=`` when it takes it), or its import path
+    ``model``: your own model, a ``chainer.Link`` class or a Python function returning one
+    (keyword arguments from ``model.args``; ``n_classes=`` when it takes it), or its import path
     ``"pkg.module:factory"``; ``model.name`` records its path. A config naming an import path
     needs it named here again (a run directory never makes us import code). It is checked by one
     dry forward at the data's image size before any cluster starts.

@@ -54,7 +54,7 @@ def user_model(config: Config, model) -> tuple[Config, object]:
     if model is None:
         name = config.model.name
         if name not in backend.model_names() and user_code.is_import_path(name):
-            raise user_code.needs_model(name)
+            raise user_code.needs_model()
         return config, None
     if isinstance(model, str):
         return config.replace(**{"model.name": model}), user_code.import_factory(model)

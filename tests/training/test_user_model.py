@@ -114,7 +114,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(user_module, dask_client, 
     cut = cfg.replace(out=str(tmp_path / "cut"))
     with pytest.raises(_Stop):
         train(cut, client=dask_client, model=user_module.Net, on_round=stop)
-    with pytest.raises(UsageError, match="this run's model is usernets:Net"):
+    with pytest.raises(UsageError, match="this run's model is your own code"):
         train(cut.replace(**{"model.name": "usernets:Net"}), client=dask_client, resume=True)
     resumed = train(cut, client=dask_client, resume=True, model="usernets:Net")
     assert_same_bits(whole.params, resumed.params)

@@ -166,7 +166,7 @@ class ChainerBackend:
             return name
         if factory is None and name not in user_models.ZOO:
             from pipeline.backends.user import needs_model
-            raise needs_model(name)
+            raise needs_model()
         return user_models.check(user_models.make_ref(name, args, factory, size), n_classes)
 
     def gpu_report(self) -> tuple[str | None, str]:

@@ -1,13 +1,14 @@
 """Models the registry does not name: the user's factories and Chainer's own architectures, as
 ``ModelRef`` values checked on the driver (one dry forward) and built inside tasks.
 
-A factory is a class or callable returning a ``chainer.Link`` that maps (N, 3, H, W) float32 to
-(N, classes) logits. It is imported only when the user names it (``--model pkg.module:factory``,
-``train(config, model=...)``), never because a run directory's config.json says so. Its
-randomness is seeded here: initial weights (initializers and lazily sized parameters draw from
-NumPy's global RNG) from the run seed's "init" stream, and everything a training step draws from
-the global RNGs (``F.dropout``) from the run seed keyed by (round, replica), under one lock so
-two tasks in threads of one worker never interleave their draws.
+A factory is a Link class or a Python function returning a ``chainer.Link`` (``check_factory``,
+before any call) that maps (N, 3, H, W) float32 to (N, classes) logits. It is imported only when
+the user names it (``--model pkg.module:factory``, ``train(config, model=...)``), never because a
+run directory's config.json says so. Its randomness is seeded here: initial weights
+(initializers and lazily sized parameters draw from NumPy's global RNG) from the run seed's
+"init" stream, and everything a training step draws from the global RNGs (``F.dropout``) from the
+run seed keyed by (round, replica), under one lock so two tasks in threads of one worker never
+interleave their draws.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import threading
 import numpy as np
 
 from pipeline.backends import ModelRef
-from pipeline.backends.user import import_factory, path_of, ship_by_value
+from pipeline.backends.user import import_factory, path_of, ship_by_value, unfit
 from pipeline.backends.chainer.compat import L, chainer
 from pipeline.core.errors import UsageError, one_line
 from pipeline.core.rng import stream_id
@@ -134,14 +135,27 @@ def make_ref(name: str, args: str, factory, size: tuple) -> ModelRef:
         path = factory if isinstance(factory, str) else path_of(factory)
         if isinstance(factory, str):
             factory = import_factory(factory)
-        if not callable(factory):
-            raise UsageError(f"model {path}: {type(factory).__name__} is not callable (a class "
-                             f"or function returning a chainer.Link)")
+        check_factory(name, factory)  # the path as the user wrote it (os:system, not posix:)
         ship_by_value(factory)
     size = tuple(int(s) for s in size)
     shipped = _ship(path, factory)
     return ModelRef(path, shipped, args, size, _takes_n_classes(factory),
                     _token(path, shipped, args, size))
+
+
+def check_factory(path: str, factory) -> None:
+    """UsageError, in one line, unless ``factory`` is a ``chainer.Link`` subclass or a plain
+    Python function (``user.unfit``), checked before anything calls it: ``model.args`` come from
+    config.json, so ``os:system`` or ``subprocess:run`` would run them as a command."""
+    inner = factory
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    why = unfit(factory)
+    if why is None and isinstance(inner, type) and not issubclass(inner, chainer.Link):
+        why = "a class that is not a chainer.Link"
+    if why is not None:
+        raise UsageError(f"{path[:120]} is {why}, not a class or Python function returning a "
+                         f"chainer.Link")
 
 
 def check(ref: ModelRef, n_classes: int | None, seed: int = 0) -> ModelRef:
