@@ -56,6 +56,8 @@ CASES = [  # (the command, what follows the run, what the line says); the user t
     (("evaluate", "--run"), ("--model", "os:system"), NOT_A_FACTORY),
     (("evaluate", "--run"), ("--model", "subprocess:run"), DIFFERENT),
     (("predict", "--run"), ("IMAGE",), HINT),
+    (("predict", "--run"), ("--model", "os:system", "IMAGE"), NOT_A_FACTORY),
+    (("predict", "--run"), ("--model", "subprocess:run", "IMAGE"), DIFFERENT),
     (("train", "--resume"), ("--epochs", "2"), HINT),
     (("train", "--resume"), ("--epochs", "2", "--model", "os:system"), NOT_A_FACTORY),
     (("train", "--resume"), ("--epochs", "2", "--model", "json:loads"), DIFFERENT),
