@@ -74,6 +74,17 @@ def test_every_strategy_trains_it_and_keeps_frozen_layers(user_module, dask_clie
     assert isinstance(result.model, user_module.Net)
 
 
+def test_a_model_object_stands_for_its_class(user_module, dask_client):
+    """``model=Net()`` (an object, as PyTorch users pass one) trains as ``model=Net`` does: each
+    replica builds its own from model.args and the run seed, the same bits."""
+    cfg = make_config(BASE, **{"train.strategy": "single", "train.replicas": 1,
+                               "train.epochs": 0.5})
+    by_class = train(cfg, client=dask_client, model=user_module.Net)
+    by_object = train(cfg, client=dask_client, model=user_module.Net(width=4))
+    assert by_object.config.model.name == "usernets:Net"
+    assert_same_bits(by_class.params, by_object.params)
+
+
 def _ref(cfg, factory):
     from pipeline.backends import get_backend
     return get_backend().resolve_model("usernets:Net", cfg.model.args, factory, (32, 32), 10)

@@ -135,6 +135,8 @@ def make_ref(name: str, args: str, factory, size: tuple) -> ModelRef:
         path = factory if isinstance(factory, str) else path_of(factory)
         if isinstance(factory, str):
             factory = import_factory(factory)
+        if isinstance(factory, chainer.Link):  # a model object stands for its class: each
+            factory = type(factory)  # replica builds its own from model.args and the run seed
         check_factory(name, factory)  # the path as the user wrote it (os:system, not posix:)
         ship_by_value(factory)
     size = tuple(int(s) for s in size)
