@@ -9,6 +9,7 @@ from pipeline.cli import options
 from pipeline.core.config import Config
 from pipeline.core.errors import Interrupted, UsageError, one_line
 from pipeline.core.interrupt import ForcedStop
+from pipeline.core.text import printable
 
 # The train options: every config field declared with a flag (pipeline.core.fields.opt).
 TRAIN_OPTIONS = options.options()
@@ -246,7 +247,7 @@ def _run_predict(args) -> int:
             print(dumps({"image": image, "top": [{"class": n, "probability": round(p, 4)}
                                                  for n, p in top]}))
         else:
-            print(f"{image}  " + "  ".join(f"{n} {p:.3f}" for n, p in top))
+            print(f"{printable(image)}  " + "  ".join(f"{printable(n)} {p:.3f}" for n, p in top))
     return 0
 
 
@@ -300,8 +301,8 @@ def _run_demo(args) -> int:
     from pipeline.training.loop import train
     import augment
 
-    def log(message):
-        print(message, file=sys.stderr, flush=True)
+    def log(message):  # the data's notes name its files and classes
+        print(printable(message), file=sys.stderr, flush=True)
 
     from pipeline.outputs import fs as rundir
     from pipeline.outputs import run_dir

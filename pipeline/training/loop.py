@@ -19,6 +19,7 @@ from typing import Callable, NamedTuple
 from pipeline.backends import get_backend
 from pipeline.core.config import Config
 from pipeline.core.errors import ClusterError, DivergenceError, Interrupted
+from pipeline.core.text import printable
 from pipeline.outputs import fs as rundir
 from pipeline.outputs import resume as resuming
 from pipeline.outputs import run_dir as outputs
@@ -43,9 +44,10 @@ class TrainOutput(NamedTuple):
 
 
 def _log_default(message: str) -> None:
-    """A line on stderr, above the progress bar (never glued to it)."""
+    """A line on stderr, above the progress bar (never glued to it); file and class names in it
+    are the data's, so its control characters are escaped."""
     from tqdm.std import tqdm
-    tqdm.write(message, file=sys.stderr)
+    tqdm.write(printable(message), file=sys.stderr)
     sys.stderr.flush()
 
 
