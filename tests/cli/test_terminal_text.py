@@ -46,3 +46,13 @@ def test_a_runs_log_lines_show_names_escaped(capsys):
     from pipeline.training.loop import _log_default
     _log_default(f"skipped {CLEAR}cat.png")
     assert capsys.readouterr().err == r"skipped \x1b[2Jcat.png" + "\n"
+
+
+def test_inspect_prints_class_names_as_json_escapes(tmp_path, capsys):
+    from tests.images import write_folder
+    root = write_folder(tmp_path / "flowers", classes=2, per_class=3)
+    (root / "class_1").rename(root / f"tulip{TITLE}{COLOUR}")
+    assert main(["inspect", "--data", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\x9b" not in out
+    assert json.loads(out)["label_names"] == ["class_0", f"tulip{TITLE}{COLOUR}"]
