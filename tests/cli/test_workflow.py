@@ -264,8 +264,8 @@ def test_config_takes_a_files_cluster_section_only_with_config_cluster(tmp_path,
     assert cfg.cluster == Config().cluster and cfg.train.lr == 0.03
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"--config {path}: its cluster section (dashboard_address, scheduler, "
-                   "tls_ca_file, tls_cert, tls_key) is not taken: the options or the defaults say where this run runs "
-                   "(--config-cluster takes it)"], err
+                   "tls_ca_file, tls_cert, tls_key) is not taken: the options or the "
+                   "defaults say where this run runs (--config-cluster takes it)"], err
     assert _config_of("--config", str(path), "--scheduler", "tcp://127.0.0.1:1").cluster \
         .scheduler == "tcp://127.0.0.1:1"  # the options still give it
     capsys.readouterr()
