@@ -103,6 +103,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
         dest, value = options.parse_set(text)
         given[dest] = value
     config_file = getattr(args, "config", None)
+    cluster = bool(getattr(args, "config_cluster", False))
+    if cluster and not config_file:  # --resume never takes a cluster section either
+        raise UsageError("--config-cluster takes the cluster section of --config FILE; "
+                         "give --config")
     if args.resume:
         if config_file:
             raise UsageError("--resume OUT goes on with OUT's config.json; do not also give "
@@ -110,10 +114,6 @@ def config_from_args(args: argparse.Namespace) -> Config:
         base = saved_config(Path(args.resume))
         given["out"] = args.resume
     else:
-        cluster = bool(getattr(args, "config_cluster", False))
-        if cluster and not config_file:
-            raise UsageError("--config-cluster takes the cluster section of --config FILE; "
-                             "give --config")
         base = config_file_config(Path(config_file), cluster) if config_file else Config()
         if args.out is not None:
             given["out"] = args.out

@@ -275,9 +275,10 @@ def test_config_takes_a_files_cluster_section_only_with_config_cluster(tmp_path,
     assert capsys.readouterr().err == ""
     path.write_text(Config().replace(**{"train.lr": 0.03}).to_json())  # the defaults: no line
     assert _config_of("--config", str(path)).train.lr == 0.03 and capsys.readouterr().err == ""
-    assert main(["train", *GOOD, "--config-cluster"]) == 2
-    assert capsys.readouterr().err.strip() == ("error: --config-cluster takes the cluster "
-                                               "section of --config FILE; give --config")
+    for alone in (GOOD, ["--resume", str(tmp_path / "run")]):
+        assert main(["train", *alone, "--config-cluster"]) == 2
+        assert capsys.readouterr().err.strip() == ("error: --config-cluster takes the cluster "
+                                                   "section of --config FILE; give --config")
 
 
 @pytest.mark.slow
