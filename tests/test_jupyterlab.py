@@ -148,3 +148,53 @@ def _drive(page, url: str, token: str) -> None:
         item = page.wait_for_selector(".dask-ClusterListingItem")
         assert "Cluster" in item.inner_text()
         page.wait_for_selector(".dask-DashboardListing-item >> text=Task Stream")  # its panes
+
+
+# --- what `make notebook` sets up, without a browser ---------------------------------------------
+
+_FACTORY = """
+import json, sys
+import dask
+import dask_labextension  # its config module loads labextension.yaml under what dask read
+print(json.dumps([sys.prefix, dask.config.get("labextension.factory")]))
+"""
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+def test_the_dask_panels_clusters_bind_to_loopback_as_make_notebook_installs_them(tmp_path):
+    """`make dask-config` (a step of `make notebook` and of .ci/run) puts the panel's factory
+    settings into VENV/etc/dask; a Python whose sys.prefix is VENV, importing dask-labextension
+    as JupyterLab does, has a LocalCluster factory on 127.0.0.1 (distributed's default: the
+    dashboard on every interface, unauthenticated)."""
+    import json
+    import sysconfig
+    pytest.importorskip("dask_labextension")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=120)
+    subprocess.run(["make", "-s", "dask-config", f"VENV={venv}"], cwd=str(REPO), check=True,
+                   timeout=60)
+    home = tmp_path / "home"  # no user config of ours in the way (dask's ~/.config/dask)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DASK_")},
+           "HOME": str(home), "PYTHONPATH": sysconfig.get_paths()["purelib"]}
+    done = subprocess.run([str(venv / "bin" / "python"), "-c", _FACTORY], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    prefix, factory = json.loads(done.stdout)
+    assert Path(prefix) == venv
+    assert factory == {"module": "dask.distributed", "class": "LocalCluster", "args": [],
+                       "kwargs": {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"}}
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+@pytest.mark.parametrize("uid, root", [(0, True), (1000, False)])
+def test_make_notebook_serves_on_loopback_and_runs_as_root(tmp_path, uid, root):
+    """JupyterLab refuses root without --allow-root (a container's usual user); and it listens
+    on 127.0.0.1 whatever its config says."""
+    plan = subprocess.run(["make", "-n", "-s", "notebook", f"VENV={tmp_path}", f"USER_ID={uid}"],
+                          cwd=str(REPO), check=True, capture_output=True, text=True, timeout=60)
+    lab = [x.split() for x in plan.stdout.splitlines() if "jupyter lab" in x]
+    assert len(lab) == 1 and "--ip=127.0.0.1" in lab[0], plan.stdout
+    assert ("--allow-root" in lab[0]) == root, lab
+    assert "dask-config" not in plan.stdout and "etc/dask/dask-chainer-pipeline.yaml" in \
+        plan.stdout  # the panel's settings are installed on the way

@@ -20,6 +20,7 @@ PURE = ["augment", "pipeline.core.config", "pipeline.core.fields", "pipeline.cor
         "pipeline.core.rng",
         "pipeline.core.keys", "pipeline.core.schedule", "pipeline.core.threads",
         "pipeline.core.interrupt", "pipeline.core.files", "pipeline.core.npz", "pipeline.backends",
+        "pipeline.core.text",
         "pipeline.cluster", "pipeline.cluster.watchdog", "pipeline.cluster.assignments",
         "pipeline.core.arrays", "pipeline.data", "pipeline.data.readers", "pipeline.data.augment",
         "pipeline.data.imagefolder", "pipeline.data.rows", "pipeline.data.kept",

@@ -9,6 +9,7 @@ from pipeline.cli import options
 from pipeline.core.config import Config
 from pipeline.core.errors import Interrupted, UsageError, one_line
 from pipeline.core.interrupt import ForcedStop
+from pipeline.core.text import printable
 
 # The train options: every config field declared with a flag (pipeline.core.fields.opt).
 TRAIN_OPTIONS = options.options()
@@ -46,8 +47,12 @@ def add_subcommands(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
     p.add_argument("--config", metavar="FILE", default=None,
                    help="start from this config (the config.json format: any run's config.json "
-                        "will do; its out is not taken: --out says where); the options given "
-                        "win over it")
+                        "will do; its out is not taken: --out says where, nor its cluster "
+                        "section: see --config-cluster); the options given win over it")
+    p.add_argument("--config-cluster", action="store_true",
+                   help="also take the cluster section of --config FILE (its scheduler address, "
+                        "dashboard bind, TLS files, worker counts): only for a file you trust "
+                        "to say where your driver connects")
     p.add_argument("--set", metavar="SECTION.FIELD=VALUE", action="append", default=[],
                    dest="set_fields",
                    help="set any config field, also those without an option (data.split_seed=1, "
@@ -108,6 +113,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
         dest, value = options.parse_set(text)
         given[dest] = value
     config_file = getattr(args, "config", None)
+    cluster = bool(getattr(args, "config_cluster", False))
+    if cluster and not config_file:  # --resume never takes a cluster section either
+        raise UsageError("--config-cluster takes the cluster section of --config FILE; "
+                         "give --config")
     if args.resume:
         if config_file:
             raise UsageError("--resume OUT goes on with OUT's config.json; do not also give "
@@ -117,7 +126,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         user_code.paired(base.model.name, given.get("model.name", base.model.name))
         given["out"] = args.resume
     else:
-        base = config_file_config(Path(config_file)) if config_file else Config()
+        base = config_file_config(Path(config_file), cluster) if config_file else Config()
         if args.out is not None:
             given["out"] = args.out
         if given.get("train.strategy") == "single" and "train.replicas" not in given:
@@ -126,19 +135,40 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return base.replace(**given)
 
 
-def config_file_config(path: Path) -> Config:
+def config_file_config(path: Path, cluster: bool = False) -> Config:
     """The config of ``--config FILE`` (config.json format, read as any input is: a regular
-    file, capped, every field checked); where the outputs go (``out``) is never taken from it."""
+    file, capped, every field checked); where the outputs go (``out``) is never taken from it,
+    and where it runs (the cluster section: scheduler, dashboard bind, TLS files) only with
+    ``cluster`` (``--config-cluster``), as ``--resume`` never takes it from a run directory; a
+    section left out that differs from the defaults is one line on stderr."""
     from pipeline.outputs.fs import read_json
     if not path.is_file():
         raise UsageError(f"--config {path}: no such file")
     saved = read_json(path, UsageError)
     if isinstance(saved, dict):
         saved = {k: v for k, v in saved.items() if k not in ("out", "progress")}
+        if not cluster and "cluster" in saved:
+            _dropped_cluster_line(path, saved.pop("cluster"))
     try:
         return Config.from_dict(saved)
     except (ValueError, TypeError) as exc:
         raise UsageError(f"--config {path}: {one_line(exc, kind=False, limit=160)}") from None
+
+
+def _dropped_cluster_line(path: Path, section) -> None:
+    """Say so when the cluster section ``--config FILE`` had and we dropped is not the defaults'."""
+    import dataclasses
+    from pipeline.core.config_cluster import ClusterConfig
+    default = dataclasses.asdict(ClusterConfig())
+    if not isinstance(section, dict):
+        differ = ["cluster"]
+    else:
+        differ = [str(k) for k, v in section.items() if k not in default or default[k] != v]
+    if differ:
+        print(printable(f"--config {path}: its cluster section ({', '.join(differ[:6])}"
+                        f"{', ...' if len(differ) > 6 else ''}) is not taken: the options or "
+                        "the defaults say where this run runs (--config-cluster takes it)"),
+              file=sys.stderr, flush=True)
 
 
 def saved_config(run: Path) -> Config:
@@ -283,7 +313,7 @@ def _run_predict(args) -> int:
             print(dumps({"image": image, "top": [{"class": n, "probability": round(p, 4)}
                                                  for n, p in top]}))
         else:
-            print(f"{image}  " + "  ".join(f"{n} {p:.3f}" for n, p in top))
+            print(f"{printable(image)}  " + "  ".join(f"{printable(n)} {p:.3f}" for n, p in top))
     return 0
 
 
@@ -337,8 +367,8 @@ def _run_demo(args) -> int:
     from pipeline.training.loop import train
     import augment
 
-    def log(message):
-        print(message, file=sys.stderr, flush=True)
+    def log(message):  # the data's notes name its files and classes
+        print(printable(message), file=sys.stderr, flush=True)
 
     from pipeline.outputs import fs as rundir
     from pipeline.outputs import run_dir

@@ -8,6 +8,7 @@ import sys
 from pipeline.cli import options
 from pipeline.core.config_data import DATASETS
 from pipeline.core.errors import DivergenceError, Interrupted, UsageError
+from pipeline.core.text import printable
 
 
 class _Parser(argparse.ArgumentParser):
@@ -94,16 +95,16 @@ def main(argv: list[str] | None = None) -> int:
         result = args.func(args)
         return int(result or 0)
     except UsageError as exc:  # includes DataError, ClusterError, ResumeError
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable(exc)}", file=sys.stderr)
         return 2
     except ValueError as exc:  # config validation names the field
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable(exc)}", file=sys.stderr)
         return 2
     except DivergenceError as exc:  # not bad input: the run itself blew up
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable(exc)}", file=sys.stderr)
         return 3
     except Interrupted as exc:  # Ctrl-C or SIGTERM: stopped at a round boundary, checkpointed
-        print(str(exc), file=sys.stderr)
+        print(printable(exc), file=sys.stderr)
         return exc.exit_status
     except KeyboardInterrupt as exc:  # a second signal, or one outside a run: stopped at once
         print(getattr(exc, "line", None) or "error: interrupted; a run stops cleanly at the next "

@@ -86,6 +86,7 @@ def graceful_stop(signals=HANDLED) -> Iterator[StopRequest]:
 
     def handler(signum, frame):
         if stop.requested or stop.in_setup:
+            quiet_abandoned_gathers()
             if stop.requested:  # the cluster closes mid-task: its warnings are not news
                 for name, level in quiet_cluster_logs().items():
                     levels.setdefault(name, level)
@@ -113,6 +114,25 @@ def quiet_cluster_logs() -> dict:
         before[name] = logger.level
         logger.setLevel(logging.CRITICAL)
     return before
+
+
+class _AbandonedGathers(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" for distributed's ``AllExit``: a
+    gather stops its per-key waits with it and means it to be quiet; a gather a forced stop
+    abandons leaves them unretrieved, and each would be a traceback when collected."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (type(exc).__name__ == "AllExit"
+                    and type(exc).__module__.startswith("distributed"))
+
+
+def quiet_abandoned_gathers() -> None:
+    """Install :class:`_AbandonedGathers` on the asyncio logger, once, for good: the waits are
+    collected after the run's block has ended, at the latest when the interpreter exits."""
+    logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, _AbandonedGathers) for f in logger.filters):
+        logger.addFilter(_AbandonedGathers())
 
 
 @contextlib.contextmanager

@@ -16,9 +16,12 @@ import time
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+import numpy as np
+
 from pipeline.backends import get_backend
 from pipeline.core.config import Config
 from pipeline.core.errors import ClusterError, DivergenceError, Interrupted
+from pipeline.core.text import printable
 from pipeline.outputs import fs as rundir
 from pipeline.outputs import resume as resuming
 from pipeline.outputs import run_dir as outputs
@@ -41,11 +44,26 @@ class TrainOutput(NamedTuple):
     config: Config
     status: str = "done"  # "done", or "complete" when a resumed run had nothing left to do
 
+    def __repr__(self) -> str:
+        """One line, not every weight (a notebook shows the value of its last line).
+
+        >>> TrainOutput([{"round": 0, "train_acc": .5, "test_acc": .25}, {"round": 1,
+        ...              "train_acc": .625}], None, {"W": np.zeros((2, 3))}, "runs/x", None)
+        TrainOutput(status='done', rounds=2, train_acc=0.625, test_acc=0.250, out='runs/x', \
+parameters=6)
+        """
+        last = {k: v for line in self.history for k, v in line.items()}  # each key's latest
+        accs = "".join(f", {k}={last[k]:.3f}" for k in ("train_acc", "test_acc") if k in last)
+        count = sum(int(np.size(v)) for v in self.params.values())
+        return (f"TrainOutput(status={self.status!r}, rounds={last.get('round', -1) + 1}{accs}, "
+                f"out={self.out!r}, parameters={count:,})")
+
 
 def _log_default(message: str) -> None:
-    """A line on stderr, above the progress bar (never glued to it)."""
+    """A line on stderr, above the progress bar (never glued to it); file and class names in it
+    are the data's, so its control characters are escaped."""
     from tqdm.std import tqdm
-    tqdm.write(message, file=sys.stderr)
+    tqdm.write(printable(message), file=sys.stderr)
     sys.stderr.flush()
 
 

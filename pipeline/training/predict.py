@@ -23,6 +23,9 @@ class Prediction(NamedTuple):
     class_names: list  # class index -> name, as the run's data named them
     images: list  # one label per row: the file path, or "image i" for arrays
 
+    def __repr__(self) -> str:  # one line, not every probability
+        return f"Prediction({len(self.images)} images x {len(self.class_names)} classes)"
+
     def top(self, k: int = 5) -> list:
         """Per image, the ``k`` most probable ``(class name, probability)``, most probable first.
 

@@ -144,3 +144,63 @@ def test_a_signal_during_set_up_stops_at_once_even_in_a_blocking_wait(tmp_path):
     assert stderr.strip().splitlines()[-1] == ("error: interrupted (SIGTERM) while the run was "
                                                "being set up; no round ran and nothing was written")
     assert not (tmp_path / "run").exists()
+
+
+# A second Ctrl-C while the driver waits in a gather, as `train` does mid-round: distributed
+# leaves the gather's per-key waits (raising its AllExit) unretrieved, and asyncio printed each
+# as a traceback when they were collected, after our line.
+_ABANDONED_GATHER = """
+import os, signal, sys, threading, time
+import distributed
+from pipeline.core.interrupt import ForcedStop, graceful_stop
+
+def twice():
+    time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.2)
+    os.kill(os.getpid(), signal.SIGINT)
+
+try:
+    with graceful_stop(), distributed.LocalCluster(
+            n_workers=1, threads_per_worker=3, processes=False,
+            dashboard_address="127.0.0.1:0") as cluster, distributed.Client(cluster) as client:
+        futures = [client.submit(time.sleep, 4 + i, pure=False) for i in range(3)]
+        threading.Thread(target=twice, daemon=True).start()
+        client.gather(futures)
+except ForcedStop as exc:
+    print("stopped at once", file=sys.stderr)
+    sys.exit(exc.exit_status)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_second_signal_in_a_gather_prints_only_our_line():
+    import sys
+
+    from tests.clusters import REPO
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-c", _ABANDONED_GATHER], cwd=str(REPO), env=env,
+                          capture_output=True, text=True, timeout=100)
+    assert done.returncode == 130, done.stderr
+    assert done.stderr == "stopped at once\n", done.stderr
+
+
+def test_asyncios_line_for_an_abandoned_allexit_is_dropped_and_no_other():
+    import logging
+
+    class AllExit(Exception):  # distributed.client.AllExit, by its name and package
+        __module__ = "distributed.client"
+
+    interrupt.quiet_abandoned_gathers()
+    interrupt.quiet_abandoned_gathers()  # once
+    logger = logging.getLogger("asyncio")
+    filters = [f for f in logger.filters if isinstance(f, interrupt._AbandonedGathers)]
+    assert len(filters) == 1
+
+    def record(exc):
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "Task exception was "
+                                 "never retrieved", (), (type(exc), exc, None))
+    assert not filters[0].filter(record(AllExit()))
+    assert filters[0].filter(record(ValueError("a real one")))
+    assert filters[0].filter(logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "x", (),
+                                               None))

@@ -251,6 +251,36 @@ def test_any_runs_config_json_is_a_starting_point(tmp_path, capsys):
     assert len(err) == 1 and "train.lr must be a number" in err[0], err
 
 
+def test_config_takes_a_files_cluster_section_only_with_config_cluster(tmp_path, capsys):
+    """A colleague's config.json must not connect this driver to their scheduler (nor bind the
+    dashboard on all interfaces): as --resume, --config drops the cluster section and says so."""
+    theirs = Config().replace(**{"cluster.scheduler": "tls://10.0.0.9:8786",
+                                 "cluster.dashboard_address": "0.0.0.0:8787",
+                                 **{f"cluster.tls_{f}": f"/home/them/{f}.pem"
+                                    for f in ("ca_file", "cert", "key")}, "train.lr": 0.03})
+    path = tmp_path / "config.json"
+    path.write_text(theirs.to_json())
+    cfg = _config_of("--config", str(path))
+    assert cfg.cluster == Config().cluster and cfg.train.lr == 0.03
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"--config {path}: its cluster section (dashboard_address, scheduler, "
+                   "tls_ca_file, tls_cert, tls_key) is not taken: the options or the "
+                   "defaults say where this run runs (--config-cluster takes it)"], err
+    assert _config_of("--config", str(path), "--scheduler", "tcp://127.0.0.1:1").cluster \
+        .scheduler == "tcp://127.0.0.1:1"  # the options still give it
+    capsys.readouterr()
+    taken = _config_of("--config", str(path), "--config-cluster", "--workers", "2")
+    assert taken.cluster == theirs.cluster.__class__(**{**theirs.to_dict()["cluster"],
+                                                        "workers": 2})
+    assert capsys.readouterr().err == ""
+    path.write_text(Config().replace(**{"train.lr": 0.03}).to_json())  # the defaults: no line
+    assert _config_of("--config", str(path)).train.lr == 0.03 and capsys.readouterr().err == ""
+    for alone in (GOOD, ["--resume", str(tmp_path / "run")]):
+        assert main(["train", *alone, "--config-cluster"]) == 2
+        assert capsys.readouterr().err.strip() == ("error: --config-cluster takes the cluster "
+                                                   "section of --config FILE; give --config")
+
+
 @pytest.mark.slow
 def test_the_readme_resume_example_reaches_the_accuracy_the_readme_states(tmp_path, capsys,
                                                                          dask_client):
