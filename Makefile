@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-$(STAMP): setup.cfg pyproject.toml
+$(STAMP): setup.cfg setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -U pip "setuptools<81" wheel
 	# Chainer 7.8.1's sdist imports pkg_resources at build time: no build isolation.

@@ -444,7 +444,8 @@ class Dashboard:
         """Open another dashboard page, e.g. "/individual-fine-performance-metrics"."""
         base = self.url.split("://", 1)[0] + "://" + self.url.split("://", 1)[1].split("/", 1)[0]
         self.url = base + path
-        _load(self.page, self.url, timeout)
+        self.page.goto(self.url, timeout=timeout * 1000)
+        self.page.wait_for_function(_BOKEH_READY_JS, timeout=timeout * 1000)
 
     def wait_for(self, read, expected=frozenset(), timeout: float = 30.0) -> set[str]:
         """Poll `read()` (a method above) until it holds all of `expected` (anything when empty)
@@ -477,26 +478,9 @@ def open_dashboard(url: str, timeout: float = 30.0) -> Iterator[Dashboard]:
     before submitting the job to watch (or call `record_task_stream(client)`).
     """
     with chromium_page() as page:
-        _load(page, url, timeout)
-        yield Dashboard(page, url)
-
-
-def _load(page, url: str, timeout: float) -> None:
-    """Open `url` and wait for its Bokeh document; once more if the first load never gets one.
-
-    distributed 2026.8's /status can fail to render with an error inside distributed itself
-    ("'str' object has no attribute 'text'" in ClusterMemory.update: the page is a 500 and
-    Bokeh never starts); seen once in a CI run, and a fresh document renders.
-    """
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
-    for attempt in (0, 1):
         page.goto(url, timeout=timeout * 1000)
-        try:
-            page.wait_for_function(_BOKEH_READY_JS, timeout=timeout * 1000 / 2)
-            return
-        except PlaywrightTimeout:
-            if attempt:
-                raise
+        page.wait_for_function(_BOKEH_READY_JS, timeout=timeout * 1000)
+        yield Dashboard(page, url)
 
 
 def dashboard_stage_names(url: str, expected=frozenset(), timeout: float = 30.0,

@@ -1,7 +1,8 @@
 """The cluster: connecting (``connection``: a scheduler address, TLS; ``embedded``: the local
 cluster), what each worker offers (``resources``: resources, ranks), the BLAS kernel (``blas``),
 the watchdog that retires stalled workers (``watchdog``, ``assignments``), the worker preload
-(``worker_setup``) and the emulated multi-host harness (``emulated``).
+(``worker_setup``), Bokeh's validation switch per thread for dashboards in this process
+(``bokeh_validation``) and the emulated multi-host harness (``emulated``).
 
 Front: ``connect``, ``describe``, ``has_resource`` and the rest of ``pipeline.cluster.connection``.
 """

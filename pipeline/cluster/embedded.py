@@ -143,7 +143,9 @@ def _start_embedded(cfg: ClusterConfig, gpus: list[str], roles: Roles) -> distri
     here), so a Ctrl-C to the terminal's process group reaches only the driver, which stops the
     run at a round boundary and then closes the workers itself."""
     from pipeline.cluster.blas import spawn_environ
+    from pipeline.cluster.bokeh_validation import per_thread
     from pipeline.core.interrupt import signals_ignored
+    per_thread()  # its scheduler's dashboard runs Bokeh on a thread of this process
     with signals_ignored(), warnings.catch_warnings(), \
             dask.config.set({**quiet_config(), **spawn_environ(cfg.blas_kernel)}):  # read as
         # the scheduler and the nannies start; each worker process gets the nanny's copy

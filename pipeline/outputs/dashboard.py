@@ -11,6 +11,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from pipeline.cluster import bokeh_validation
 from pipeline.core import files
 from pipeline.core.errors import OutputError
 from pipeline.outputs.live import format_line, split_series
@@ -300,6 +301,7 @@ def install_page(dask_scheduler) -> bool:
 
     if dask_scheduler in _INSTALLED:
         return True
+    bokeh_validation.per_thread()  # a scheduler in the user's process: Bokeh beside theirs
     http = getattr(dask_scheduler, "http_application", None)
     apps = [a for a in getattr(http, "applications", ()) if isinstance(a, BokehTornado)]
     if not apps:

@@ -199,6 +199,7 @@ def test_a_registry_field_describes_all_of_its_names_or_none(dest):
 # Options of other commands that share a config field's flag but mean something else there.
 OWN_MEANING = {("evaluate", "--data"): "the test data of a trained model",
                ("evaluate", "--model"): "the model of --weights (the registry's names listed)",
+               ("predict", "--model"): "a run's own model named again (a directory imports none)",
                ("demo", "--epochs"): "the demo's own length (3 epochs)",
                ("demo", "--download"): "CIFAR-10 only; without it the demo makes no connection",
                ("synth", "--seed"): "the seed of the synthetic images, not of a run"}
