@@ -96,7 +96,6 @@ def user_module(tmp_path_factory):
     root = tmp_path_factory.mktemp("roundcode")
     (root / "roundnets.py").write_text(USER_MODULE)
     sys.path.insert(0, str(root))
-    import pipeline.backends.chainer.compat  # noqa: F401  TEMP until the import hook lands
     import roundnets
     yield roundnets
     sys.path.remove(str(root))
