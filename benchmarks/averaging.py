@@ -4,7 +4,7 @@ For each K (a LocalCluster of K one-thread worker processes) and model size L (s
 float32 arrays), with the K states already in memory on K distinct workers:
 
 - p2p: time to move one L-byte state from worker 1 to worker 0 (a task on 0 that depends on it),
-- reduce: ``pipeline.averaging.reduction.tree_reduce`` with ``averaging.combine/finalize``, submit to the
+- reduce: ``pipeline.averaging.reduction.tree_reduce`` with ``exact.combine/finalize``, submit to the
   root's completion (the averaged state exists on one worker),
 - allreduce: the same plus every worker holding the averaged state (the next round's inputs),
 
@@ -15,8 +15,8 @@ The ChainerMN scaling post (docs/references.md) counts effective bandwidth as
 in the same cluster. The last line is one JSON object; its
 ``calibration`` holds the local constants ``pipeline.averaging.cost`` uses for this machine.
 
-    .venv/bin/python benchmarks/averaging.py --repeats 5          # ~3 min on 2 cores
-    .venv/bin/python benchmarks/averaging.py --sizes 1,10 --replicas 2,4 --repeats 2
+    .venv/bin/python benchmarks/exact.py --repeats 5          # ~3 min on 2 cores
+    .venv/bin/python benchmarks/exact.py --sizes 1,10 --replicas 2,4 --repeats 2
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.g
 from dask.base import tokenize  # noqa: E402
 from distributed import Client, LocalCluster, get_task_stream, wait  # noqa: E402
 
-from pipeline.averaging import exact as averaging  # noqa: E402
+from pipeline.averaging import exact  # noqa: E402
 from pipeline.averaging.reduction import tree_plan, tree_reduce  # noqa: E402
 
 MB = 1_000_000
@@ -66,7 +66,7 @@ def measure_p2p(client, workers, n_bytes, tag) -> float:
                       key=("make_state-" + tokenize(tag, "p2p")[:8], 0))
     wait(x)
     start = time.perf_counter()
-    y = client.submit(averaging.nbytes, x, workers=[workers[0]], pure=False,
+    y = client.submit(exact.nbytes, x, workers=[workers[0]], pure=False,
                       key=("nbytes-" + tokenize(tag, "p2p")[:8], 0))
     wait(y)
     return time.perf_counter() - start
@@ -81,10 +81,10 @@ def measure_tree(client, workers, n_bytes, fan_in, tag) -> tuple[float, float, f
     wait(states)
     with get_task_stream(client) as stream:
         start = time.perf_counter()
-        root = tree_reduce(client, states, averaging.combine, averaging.finalize,
+        root = tree_reduce(client, states, exact.combine, exact.finalize,
                            fan_in=fan_in, token=token,
-                           combine_finalize=averaging.combine_finalize)
-        copies = [client.submit(averaging.nbytes, root, workers=[w], pure=False,
+                           combine_finalize=exact.combine_finalize)
+        copies = [client.submit(exact.nbytes, root, workers=[w], pure=False,
                                 key=("nbytes-" + token, i)) for i, w in enumerate(workers)]
         wait(root)
         reduce_s = time.perf_counter() - start
@@ -103,11 +103,11 @@ def measure_tree(client, workers, n_bytes, fan_in, tag) -> tuple[float, float, f
 def local_costs(n_bytes: int, repeats: int) -> dict[str, float]:
     """Per-byte costs of the averaging arithmetic in this process (one thread, like a worker)."""
     a, b = make_state(n_bytes, 1.0), make_state(n_bytes, 2.0)
-    L = averaging.nbytes(a)
-    raw = min(timed(lambda: averaging.combine([a, b])) for _ in range(repeats))
-    p = averaging.combine([a, b])
-    partial = min(timed(lambda: averaging.combine([p, p])) for _ in range(repeats))
-    fin = min(timed(lambda: averaging.finalize(p)) for _ in range(repeats))
+    L = exact.nbytes(a)
+    raw = min(timed(lambda: exact.combine([a, b])) for _ in range(repeats))
+    p = exact.combine([a, b])
+    partial = min(timed(lambda: exact.combine([p, p])) for _ in range(repeats))
+    fin = min(timed(lambda: exact.finalize(p)) for _ in range(repeats))
     return {"combine_raw_s_per_byte": raw / (2 * L),  # per float32 input byte
             "combine_partial_s_per_byte": partial / (4 * L),  # per float64 input byte
             "finalize_s_per_byte": fin / L}  # per float32 output byte
@@ -117,7 +117,7 @@ def run_cluster(k, sizes, fan_ins, repeats):
     """Rows of measurements for one LocalCluster of k workers."""
     rows = []
     # memory_limit=0: no spilling or pausing; a paused worker would stall a tree level for
-    # reasons that are not transfer or averaging.
+    # reasons that are not transfer or exact.
     with LocalCluster(n_workers=k, threads_per_worker=1, processes=True, memory_limit=0,
                       dashboard_address=":0", silence_logs=logging.ERROR) as cluster, \
             Client(cluster) as client:
@@ -134,7 +134,7 @@ def run_cluster(k, sizes, fan_ins, repeats):
                     tree_runs[fan_in].append(
                         measure_tree(client, workers, n_bytes, fan_in, (k, size, fan_in, r)))
             p2p = min(p2p_runs)
-            L = averaging.nbytes(make_state(n_bytes, 0.0))
+            L = exact.nbytes(make_state(n_bytes, 0.0))
             p2p_bw, moved = L / p2p, 2 * L * (k - 1) / k
             for fan_in, runs in tree_runs.items():
                 best = min(runs)  # the least disturbed run, by reduce time

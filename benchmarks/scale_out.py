@@ -135,7 +135,7 @@ def measure_allreduce(client, name: str, placement, n_bytes: int, fan_in: int, r
                       tag: str) -> dict:
     from distributed import wait
 
-    from pipeline.averaging import algorithms as averaging_algorithms
+    from pipeline.averaging import algorithms
     from pipeline.averaging.algorithms import Context
     k = placement.n_replicas
     states = [client.submit(make_state, n_bytes, float(i), workers=[placement.replica_worker[i]],
@@ -143,7 +143,7 @@ def measure_allreduce(client, name: str, placement, n_bytes: int, fan_in: int, r
     wait(states)
     ctx = Context(client, "average", tag, (0,), fan_in, placement, placement.n_hosts, k)
     with CpuMeter(run) as cpu:
-        copies = averaging_algorithms.get(name).allreduce(ctx, states)
+        copies = algorithms.get(name).allreduce(ctx, states)
         wait(copies)
     del copies, states
     return {"s": cpu.seconds, "cpu_cores": cpu.cores, "machine_busy": cpu.machine}
@@ -175,13 +175,13 @@ def inner(args) -> None:
     import numpy as np
     from distributed import Client
 
-    from pipeline.averaging import algorithms as averaging_algorithms
-    from pipeline.averaging import cost as scaling
+    from pipeline.averaging import algorithms
+    from pipeline.averaging import cost
     from pipeline.averaging.placement import place
     run = os.environ["DCP_EMULATED_RUN"]
     n_bytes = int(args.mb * MB)
     with Client(args.scheduler) as client:
-        hosts = averaging_algorithms.workers_by_host(client)
+        hosts = algorithms.workers_by_host(client)
         placement = place(hosts, sum(map(len, hosts.values())))  # a replica per worker
         k, workers = placement.n_replicas, placement.replica_worker
         src, dst = placement.host_worker(0), placement.host_worker(1)  # two hosts
@@ -189,23 +189,23 @@ def inner(args) -> None:
         p2p = min(measure_p2p(client, src, dst, n_bytes, f"{i + 11:08x}")
                   for i in range(args.repeats))
         bytes_ = nbytes(make_state(n_bytes, 0.0))
-        link = scaling.Link(bandwidth=bytes_ / p2p, latency=0.0)
+        link = cost.Link(bandwidth=bytes_ / p2p, latency=0.0)
         a, b = make_state(n_bytes, 0.0), make_state(n_bytes, 1.0)
         start = time.perf_counter()
         for key in a:
             np.concatenate([a[key], b[key]])
         gather_s = (time.perf_counter() - start) / (2 * bytes_)
         sigma = per_task_s(client, workers)
-        local = scaling.LocalCosts(**{**vars(scaling.THIS_MACHINE),
+        local = cost.LocalCosts(**{**vars(cost.THIS_MACHINE),
                                       "gather_s_per_byte": gather_s, "per_task_s": sigma,
-                                      "host_bandwidth": scaling.LOOPBACK.bandwidth})
+                                      "host_bandwidth": cost.LOOPBACK.bandwidth})
         rows, tags = {}, iter(range(0x100, 0x10000))
         for name in args.algorithms.split(","):
             runs = [measure_allreduce(client, name, placement, n_bytes, args.fan_in, run,
                                       f"{next(tags):08x}") for _ in range(args.repeats)]
             best = min(runs, key=lambda r: r["s"])
             extra = {"broadcast": "binomial"} if name == "tree" else {}
-            predicted = scaling.comm_time(bytes_, k, link, local, algorithm=name,
+            predicted = cost.comm_time(bytes_, k, link, local, algorithm=name,
                                           fan_in=args.fan_in, hosts=placement.n_hosts, **extra)
             rows[name] = {**best, "predicted_s": predicted}
         result = {"hosts": placement.n_hosts, "replicas": k, "bytes": bytes_, "p2p_s": p2p,
@@ -221,7 +221,7 @@ def inner(args) -> None:
             share = max(1.0, k / cores)  # K one-thread workers on the machine's cores
             overhead = max(0.0, solo["round_s"] - solo["train_s"])
             predicted = (solo["train_s"] * share + overhead
-                         + scaling.comm_time(many["state_bytes"], k, link, local,
+                         + cost.comm_time(many["state_bytes"], k, link, local,
                                              algorithm=chosen, fan_in=args.fan_in,
                                              hosts=placement.n_hosts))
             result["ipm"] = {"algorithm": chosen, "state_bytes": many["state_bytes"],

@@ -2,19 +2,19 @@
 predictions to 256 workers.
 
 Prints the ChainerMN allreduce check (the JSON keeps its ``seed001_*`` keys, as recorded in
-docs/scaling.md), then a markdown table per link of predicted speedup for
+docs/cost.md), then a markdown table per link of predicted speedup for
 ``gradient`` (average gradients every step) and ``ipm`` at H = 8 and 32, each with a ring
 allreduce and with our ``average-`` tree (fan-in 2, float64 partials) followed by either the
 star broadcast the graph does now (every worker fetches the result from the root) or a
-binomial one; writes the plot to ``docs/scaling.png`` and ends with one JSON line.
+binomial one; writes the plot to ``docs/cost.png`` and ends with one JSON line.
 
-    .venv/bin/python benchmarks/scaling.py            # < 5 s, no cluster
+    .venv/bin/python benchmarks/cost.py            # < 5 s, no cluster
 
 Workload: ResNet-50 (ChainerMN's measured 102,228,384 gradient bytes = 25.6 M float32
 parameters), 32 images per worker per step as in those ChainerMN runs, and 1/367 s per image:
 NVIDIA's DeepLearningExamples ResNet-50 v1.5 (PyTorch) README reports 367 img/s FP32 training
 on one V100 16 GB (DGX-1). Local terms are this machine's calibrated NumPy averaging
-(``scaling.THIS_MACHINE``) plus one GPU -> host and one host -> GPU copy of L per round over
+(``cost.THIS_MACHINE``) plus one GPU -> host and one host -> GPU copy of L per round over
 PCIe 3.0; the tree adds Dask's per-level task cost, the ring none (an MPI/NCCL collective).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pipeline.averaging import cost as scaling  # noqa: E402
+from pipeline.averaging import cost  # noqa: E402
 from pipeline.averaging.cost import (HUNDRED_GBPS, PCIE3, TEN_GBE, Link, LocalCosts,  # noqa: E402
                                      Workload, ring_allreduce_time, speedup)
 
@@ -40,15 +40,15 @@ from pipeline.averaging.cost import (HUNDRED_GBPS, PCIE3, TEN_GBE, Link, LocalCo
 CHAINERMN_BYTES = 102_228_384
 CHAINERMN_MEASURED = {2: 0.15, 4: 0.22}  # nodes -> seconds per allreduce
 CHAINERMN_LINK = Link(bandwidth=8e9 / 8, latency=50e-6)
-CHAINERMN_LOCAL = LocalCosts(reduce_s_per_byte=scaling.THIS_MACHINE.reduce_s_per_byte,
+CHAINERMN_LOCAL = LocalCosts(reduce_s_per_byte=cost.THIS_MACHINE.reduce_s_per_byte,
                              finalize_s_per_byte=0.0,  # NCCL/MPI sum gradients; no divide pass
                              copy_s_per_byte=4 / PCIE3)
 
 V100_FP32_IMAGES_PER_S = 367  # DeepLearningExamples RN50 v1.5 PyTorch, 1x V100 16GB, FP32
 RESNET50 = Workload(compute_s_per_sample=1 / V100_FP32_IMAGES_PER_S, batch_size=32,
                     model_bytes=CHAINERMN_BYTES)
-RING_LOCAL = replace(scaling.THIS_MACHINE, copy_s_per_byte=2 / PCIE3, task_s=0.0)
-TREE_LOCAL = replace(scaling.THIS_MACHINE, copy_s_per_byte=2 / PCIE3)
+RING_LOCAL = replace(cost.THIS_MACHINE, copy_s_per_byte=2 / PCIE3, task_s=0.0)
+TREE_LOCAL = replace(cost.THIS_MACHINE, copy_s_per_byte=2 / PCIE3)
 LINKS = {"10GbE": TEN_GBE, "100Gb/s": HUNDRED_GBPS}
 SERIES = {"gradient": dict(strategy="gradient", H=1), "ipm H=8": dict(strategy="ipm", H=8),
           "ipm H=32": dict(strategy="ipm", H=32)}
@@ -59,7 +59,7 @@ ALGOS = {"ring": dict(algorithm="ring"),
          "tree/binomial": dict(algorithm="tree", fan_in=2, broadcast="binomial")}
 WORKERS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 # The averaging algorithms of pipeline/averaging_algorithms across hosts, each with the shard
-# count the model finds fastest (scaling.best_shards; a shard per host until the task count
+# count the model finds fastest (cost.best_shards; a shard per host until the task count
 # costs more than the bytes). "per host": one worker per host and link, as above; "4/host":
 # ChainerMN's nodes, four workers sharing a host's link, the tree's fan-in 4 matching them.
 HOSTED = {"tree/binomial": dict(algorithm="tree", broadcast="binomial"),
@@ -83,7 +83,7 @@ def hosted(link, series, algo, p, per_host) -> tuple[float, int | None]:
     kw = dict(HOSTED[algo], fan_in=4 if per_host > 1 else 2, hosts=hosts)
     shards = None
     if algo != "tree/binomial":
-        shards, _ = scaling.best_shards(RESNET50.model_bytes, p, link, TREE_LOCAL,
+        shards, _ = cost.best_shards(RESNET50.model_bytes, p, link, TREE_LOCAL,
                                         algorithm=kw["algorithm"], hosts=hosts,
                                         fan_in=kw["fan_in"])
         kw["shards"] = shards
@@ -148,7 +148,7 @@ def plot(path: Path) -> None:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--plot", default="docs/scaling.png",
+    parser.add_argument("--plot", default="docs/cost.png",
                         help="where the PNG goes, relative to the repository ('' for none)")
     args = parser.parse_args(argv)
 

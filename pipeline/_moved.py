@@ -1,7 +1,8 @@
 """The module paths from before the packages, for one release: each imports its new module.
 
 ``import pipeline.config`` (or ``from pipeline.config import Config``) still works and gives the
-very module ``pipeline.core.config``, with a ``DeprecationWarning`` naming the new path; so does
+very module ``pipeline.core.config``, with a ``DeprecationWarning`` naming the new path and the
+release that removes the old one (``REMOVED_IN``); so does
 ``python -m pipeline.emulated``. Sub-modules of a moved package follow it
 (``pipeline.strategies.ipm`` is ``pipeline.training.strategies.ipm``). Installed by
 ``pipeline/__init__.py``; docs/architecture.md has the map.
@@ -80,8 +81,11 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.util.find_spec(new).loader.get_code(new)
 
 
+REMOVED_IN = "0.2.0"  # the release whose import of an old path fails (ours is 0.1.0: setup.cfg)
+
+
 def _warn(old: str, new: str) -> None:
-    warnings.warn(f"{old} moved to {new}; the old path goes in the next release",
+    warnings.warn(f"{old} moved to {new}; the old path is removed in {REMOVED_IN}",
                   DeprecationWarning, stacklevel=3)
 
 

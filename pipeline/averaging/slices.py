@@ -6,7 +6,7 @@ shard ``s`` holds the elements whose first byte lies in ``[s*T//S, (s+1)*T//S)``
 bytes of the float entries at their own dtypes (so a float64 partial sum and the float32 state
 it came from are cut at the same elements). A shard's value is itself a state dict of 1-D pieces
 under the same keys, or a :class:`~pipeline.averaging.exact.Partial` of such pieces, so
-``averaging.combine`` and ``combine_finalize`` reduce shards unchanged and every element sees the
+``exact.combine`` and ``combine_finalize`` reduce shards unchanged and every element sees the
 same float64 additions as in a whole-state reduction. Non-float entries (BatchNorm's ``N``,
 taken from the lowest-index replica) travel with shard 0.
 
@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pipeline.averaging import exact as averaging
+from pipeline.averaging import exact
 from pipeline.averaging.order import Node, evaluate
 
 
@@ -79,7 +79,7 @@ def layout_of(value, n_shards: int) -> Layout:
     """The layout of a state dict or a Partial (whose float dtypes are the recorded ones)."""
     if int(n_shards) != n_shards or n_shards < 1:
         raise ValueError(f"n_shards must be an integer >= 1, got {n_shards!r}")
-    if isinstance(value, averaging.Partial):
+    if isinstance(value, exact.Partial):
         if value.dtypes is None:
             raise ValueError("a Partial without recorded dtypes cannot be sharded")
         entries = tuple((k, tuple(np.shape(v)), np.dtype(value.dtypes[k]).name)
@@ -91,7 +91,7 @@ def layout_of(value, n_shards: int) -> Layout:
     entries, others = [], []
     for key, array in value.items():
         array = np.asarray(array)
-        if averaging.is_float(array):
+        if exact.is_float(array):
             entries.append((key, array.shape, array.dtype.name))
         else:
             others.append(key)
@@ -108,10 +108,10 @@ def take(value, n_shards: int, index: int) -> Piece:
     """Shard ``index`` of ``n_shards`` of a state dict or a Partial (views, no copy)."""
     layout = layout_of(value, n_shards)
     bounds = layout.bounds(index)
-    if isinstance(value, averaging.Partial):
+    if isinstance(value, exact.Partial):
         first = dict(value.first) if index == 0 else {}
         dtypes = {key: value.dtypes[key] for key, _, _ in bounds}
-        return Piece(layout, index, averaging.Partial(_flat_pieces(value.sums, bounds),
+        return Piece(layout, index, exact.Partial(_flat_pieces(value.sums, bounds),
                                                       value.count, first, dtypes))
     out = _flat_pieces(value, bounds)
     if index == 0:
@@ -143,15 +143,15 @@ def reduce_pieces(pieces: Mapping, root: Node) -> Piece:
     if any(p.index != ref.index for p in pieces.values()):
         raise ValueError("reduce_pieces: the pieces are not all the same shard")
     values = {key: piece.value for key, piece in pieces.items()}
-    mean = evaluate(root, values, averaging.combine, averaging.combine_finalize)
-    # The mean's keys come in averaging.finalize's order: float entries, then the others.
+    mean = evaluate(root, values, exact.combine, exact.combine_finalize)
+    # The mean's keys come in exact.finalize's order: float entries, then the others.
     order = tuple(key for key, _, _ in ref.layout.entries) + ref.layout.others
     return Piece(ref.layout._replace(order=order), ref.index, mean)
 
 
 def assemble(pieces: Sequence[Piece]) -> dict[str, np.ndarray]:
     """The whole state from its shards, in shard order; keys in the layout's order (a mean's:
-    float entries then the others, as ``averaging.finalize`` gives them). Fresh arrays."""
+    float entries then the others, as ``exact.finalize`` gives them). Fresh arrays."""
     if not pieces:
         raise ValueError("assemble needs the pieces of every shard, got none")
     ref = _check_pieces(pieces, "assemble")

@@ -172,16 +172,16 @@ def _dropped_cluster_line(path: Path, section) -> None:
 
 
 def saved_config(run: Path) -> Config:
-    """The config a run directory was written with, read as any input is (``rundir.read_config``:
+    """The config a run directory was written with, read as any input is (``fs.read_config``:
     a regular file, capped, every field checked). Where and how it runs (the cluster section:
     scheduler, dashboard bind, TLS) is never taken from the directory; the command line or the
     defaults give it."""
-    from pipeline.outputs import fs as rundir
+    from pipeline.outputs import fs
     path = run / "config.json"
     if not path.exists() and not path.is_symlink():
         raise UsageError(f"cannot resume {run}: no config.json there")
     try:
-        return rundir.read_config(run, cluster=False)
+        return fs.read_config(run, cluster=False)
     except UsageError as exc:
         text = str(exc).replace(f"{path} is unreadable", "config.json is unreadable")
         raise UsageError(f"cannot resume {run}: {text.replace(str(path), 'config.json')}") \
@@ -220,9 +220,9 @@ def _run_train(args) -> int:
 
 def forced_stop_line(exc, out: Path) -> str:
     """What a second signal prints: stopped at once, and where the run can go on from."""
-    from pipeline.outputs import fs as rundir
+    from pipeline.outputs import fs
     from pipeline.training.recovery import resume_hint
-    dirs = rundir.checkpoint_dirs(out / "checkpoints") if rundir.is_ours(out) else []
+    dirs = fs.checkpoint_dirs(out / "checkpoints") if fs.is_ours(out) else []
     hint = resume_hint(out, dirs[-1][0] if dirs else -1, bool(dirs))
     return f"stopped at once ({exc}, a second signal){hint}"
 
@@ -370,7 +370,7 @@ def _run_demo(args) -> int:
     def log(message):  # the data's notes name its files and classes
         print(printable(message), file=sys.stderr, flush=True)
 
-    from pipeline.outputs import fs as rundir
+    from pipeline.outputs import fs
     from pipeline.outputs import run_dir
     out = Path(args.out)
     try:  # as train: a run there is replaced only with --overwrite, and only a run of ours
@@ -380,11 +380,11 @@ def _run_demo(args) -> int:
                                           "replace it with --overwrite")) from None
     source = _demo_data(log, args.download)
     summary = inspect_dataset(source)
-    print(rundir.dumps(summary))
+    print(fs.dumps(summary))
     ds = load_dataset(source)
     images = ds.train_images[:30].compute()
     labels = ds.train_labels[:30].compute()
-    rundir.claim(out)
+    fs.claim(out)
     image_grid(images, labels, ds.label_names).savefig(out / "images.png")
     augmentation_preview(images[:8], augment.get_policy("cifar"), seed=0).savefig(
         out / "augment.png")

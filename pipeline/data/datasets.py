@@ -29,7 +29,7 @@ from dask.highlevelgraph import HighLevelGraph
 from dask.task_spec import Task, TaskRef
 
 from pipeline.data import arrays, cifar, rows
-from pipeline.data import images as image_readers
+from pipeline.data.images import FILE_LIST, IMAGE_FOLDER
 from pipeline.core import keys
 from pipeline.core.config_data import DataConfig
 from pipeline.core.errors import DataError, one_line
@@ -256,8 +256,8 @@ READERS: tuple[Reader, ...] = (
     arrays.ARRAYS,  # train(config, data=...): Dask / NumPy arrays, Chainer datasets
     Reader("synthetic", lambda source, cfg: parse_synthetic(source) is not None,
            _synthetic_reader_plan, checks_on_driver=True, image_side=32),
-    image_readers.FILE_LIST,  # lines "path label" (.txt, .lst, ...)
-    image_readers.IMAGE_FOLDER,  # a directory of class folders without CIFAR data in it
+    FILE_LIST,  # lines "path label" (.txt, .lst, ...)
+    IMAGE_FOLDER,  # a directory of class folders without CIFAR data in it
     Reader("cifar", lambda source, cfg: True, _cifar_plan,  # python, binary, CIFAR-100, tarballs
            checks_on_driver=True, image_side=32, kinds=("cifar10", "cifar100")),
 )

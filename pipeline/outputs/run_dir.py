@@ -12,7 +12,7 @@ from pathlib import Path
 from pipeline.core import files
 from pipeline.outputs import checkpoint
 from pipeline.outputs import resume as resuming
-from pipeline.outputs import fs as rundir
+from pipeline.outputs import fs
 from pipeline.outputs.checkpoint import HostState
 from pipeline.core.errors import UsageError
 from pipeline.data.kept import EVAL_FILE
@@ -31,14 +31,14 @@ def prepare(out: str | None, resume: bool, overwrite: bool) -> Path | None:
             raise UsageError("resume needs an output directory (--out)")
         return None
     out = Path(out)
-    if out.is_dir() and rundir.is_ours(out):
-        rundir.settle(out)  # first: an overwrite that a killed process left half done
-    rundir.check(out, resume, overwrite)  # a new or empty directory, or one marked ours
+    if out.is_dir() and fs.is_ours(out):
+        fs.settle(out)  # first: an overwrite that a killed process left half done
+    fs.check(out, resume, overwrite)  # a new or empty directory, or one marked ours
     if out.is_dir():  # what a run writes stays in OUT: a link among its names is refused
         for name in files.links_in(out, RUN_FILES + RUN_DIRS + ("dashboard.log",)):
             files.refuse_link(out / name, UsageError)
     if not resume and out.is_dir() and (out / "metrics.jsonl").exists() and not overwrite:
-        if not rundir.has_checkpoint(out) and not resuming.finished(out):
+        if not fs.has_checkpoint(out) and not resuming.finished(out):
             raise UsageError(f"{out} holds a run that stopped before its first checkpoint: start "
                              f"it again with --resume {out}, or replace it with --overwrite")
         raise UsageError(f"{out} already holds a run; resume it with --resume {out} (add --epochs "
@@ -71,12 +71,12 @@ class RunDir:
         write config.json; after a resume, drop metrics past the checkpoint and temporaries."""
         if self.path is None:
             return
-        rundir.claim(self.path)  # created and marked ours
+        fs.claim(self.path)  # created and marked ours
         if not resume and overwrite:  # set aside until the new run's first checkpoint
-            rundir.set_aside(self.path, RUN_FILES + RUN_DIRS + self.extra_files)
+            fs.set_aside(self.path, RUN_FILES + RUN_DIRS + self.extra_files)
         checkpoint.write_atomic(self.path / "config.json", self.config.to_json())
         if self.data is not None:
-            checkpoint.write_atomic(self.path / "data.json", rundir.dumps(self.data, indent=1))
+            checkpoint.write_atomic(self.path / "data.json", fs.dumps(self.data, indent=1))
         if self.kept is not None and not (resume and (self.path / EVAL_FILE).is_file()):
             from pipeline.core import npz
             checkpoint.write_atomic(self.path / EVAL_FILE, npz.to_bytes(self.kept))
@@ -88,7 +88,7 @@ class RunDir:
         """Append JSON lines to ``name`` (one write per whole line)."""
         if self.path is None or not lines:
             return
-        rundir.append_lines(self.path / name, lines)
+        fs.append_lines(self.path / name, lines)
 
     def truncate(self, name: str, keep, records: int = 1 << 20) -> list[dict]:
         """Keep the lines of ``name`` for which ``keep(line)`` holds, up to a torn last line;
@@ -97,17 +97,17 @@ class RunDir:
         path = self.path / name
         if not path.exists():
             return []
-        kept = rundir.read_lines(path, keep, self.log, records)  # a garbled line is skipped
-        checkpoint.write_atomic(path, "".join(rundir.dumps(x) + "\n" for x in kept))
+        kept = fs.read_lines(path, keep, self.log, records)  # a garbled line is skipped
+        checkpoint.write_atomic(path, "".join(fs.dumps(x) + "\n" for x in kept))
         return kept
 
     def save_checkpoint(self, state: HostState, model_params: dict) -> None:
         checkpoint.save(self.path, state, model_params, resuming.recorded(self.config))
-        rundir.commit(self.path)  # the new run has a checkpoint: an overwritten run may go
+        fs.commit(self.path)  # the new run has a checkpoint: an overwritten run may go
 
     def has_checkpoint(self) -> bool:
         """Whether a resume has a checkpoint to read (``fs.has_checkpoint``)."""
-        return self.path is not None and rundir.has_checkpoint(self.path)
+        return self.path is not None and fs.has_checkpoint(self.path)
 
 
     def finish(self, params: dict, history: list[dict], rounds: int, labels: dict) -> None:
@@ -129,4 +129,4 @@ class RunDir:
                        dataset=labels.get("dataset"), dataset_kind=self.config.data.dataset,
                        eval_split=(self.data or {}).get("splits", {}).get("eval", "test"),
                        class_names=(self.data or {}).get("class_names"))
-        checkpoint.write_atomic(self.path / "summary.json", rundir.dumps(summary, indent=1))
+        checkpoint.write_atomic(self.path / "summary.json", fs.dumps(summary, indent=1))

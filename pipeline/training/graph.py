@@ -13,7 +13,7 @@ from typing import NamedTuple
 import distributed
 import numpy as np
 
-from pipeline.averaging import algorithms as averaging_algorithms
+from pipeline.averaging import algorithms
 from pipeline.cluster import resources as offers
 from pipeline.core import keys
 from pipeline.training import tasks
@@ -31,7 +31,7 @@ class Persisted(NamedTuple):
     test_images: list
     test_labels: list
     n_train: int
-    stream: object = None  # image_readers.Stream when the training set is not cached, else None
+    stream: object = None  # pipeline.data.images.Stream when the training set is not cached, else None
     note: str = ""  # one line for the run's log: what the cache holds, or why it is off
 
 
@@ -51,17 +51,17 @@ def persist_dataset(client: distributed.Client, dataset, eval_chunk: int | None 
                     resources: dict | None = None) -> Persisted:
     """Load the raw data onto the cluster once (``load-``/``decode-`` tasks, asking for
     ``resources``: the loading workers'); consumers refer to it by key. Decoded image folders
-    too, unless they do not fit (`image_readers.cache_decision`): then only the test split is
+    too, unless they do not fit (`pipeline.data.images.cache_decision`): then only the test split is
     kept and each round decodes its own shards. ``eval_chunk``: test images per block
     (default :func:`eval_chunk_size` of the test set's size)."""
-    from pipeline.data import images as image_readers
+    from pipeline.data.images import cache_decision, worker_memory_limits
     eval_chunk = eval_chunk or eval_chunk_size(int(dataset.test_images.shape[0]))
     test_images, test_labels = (datasets.row_blocks(a, eval_chunk)
                                 for a in (dataset.test_images, dataset.test_labels))
     stream, note, n_train = dataset.stream, "", int(dataset.train_images.shape[0])
     if stream is not None:
-        cached, note = image_readers.cache_decision(
-            stream, n_train, image_readers.worker_memory_limits(client))
+        cached, note = cache_decision(
+            stream, n_train, worker_memory_limits(client))
         stream = None if cached else stream
     train = [] if stream is not None else [dataset.train_images, dataset.train_labels]
     with distributed.span("load"), data_arrays.carried(dataset.train_images, test_images):
@@ -112,7 +112,7 @@ class RoundGraph:
         self._offered: dict = {}  # resources -> whether every worker offers them
         self._nthreads: dict = {}  # worker address -> its threads
         self.averaged_bytes = payload_bytes  # bytes per replica an average adds (auto weighs)
-        self._plan: averaging_algorithms.Plan | None = None
+        self._plan: algorithms.Plan | None = None
         self._tests: list | None = None  # (images, labels) of each test chunk where it is read
 
     def for_attempt(self) -> "RoundGraph":
@@ -127,11 +127,11 @@ class RoundGraph:
         return fresh
 
     # ---- where replicas live and how they average ----------------------------------------
-    def average_plan(self) -> averaging_algorithms.Plan:
+    def average_plan(self) -> algorithms.Plan:
         """The averaging algorithm and the replicas' placement (``average.algorithm``; auto
         weighs ``averaged_bytes``), made once per attempt for the workers it sees then."""
         if self._plan is None:
-            self._plan = averaging_algorithms.plan(
+            self._plan = algorithms.plan(
                 self.client, self.config.average, self.config.train.replicas,
                 self.averaged_bytes or None, self.train_resources)
         return self._plan
@@ -139,12 +139,12 @@ class RoundGraph:
     def _average(self, *coords):
         """(algorithm module, context) of an average keyed ``("average-<token>", *coords, ...)``."""
         plan = self.average_plan()
-        ctx = averaging_algorithms.context(plan, self.client, self.token, coords,
+        ctx = algorithms.context(plan, self.client, self.token, coords,
                                            self.config.average.fan_in, self.config.train.replicas)
         if plan.placement is None:  # one host: the tree's nodes where their inputs' replicas
             homes = tuple(self._home(k) for k in range(self.config.train.replicas))
             ctx = ctx._replace(homes=homes if None not in homes else None)
-        return averaging_algorithms.get(plan.algorithm), ctx
+        return algorithms.get(plan.algorithm), ctx
 
     def mean(self, round_index: int, payloads: list, prepare=None):
         """Future of the payloads' exact mean (float64 sums in the fixed order of
@@ -209,7 +209,7 @@ class RoundGraph:
         advertises a ``RANK-i`` (and ``_rank_of`` filled), else by worker name; once an attempt."""
         if self._workers is None:
             info = self.client.scheduler_info(n_workers=-1)["workers"]
-            able = {a for hosts in averaging_algorithms.workers_by_host(
+            able = {a for hosts in algorithms.workers_by_host(
                 self.client, self.train_resources).values() for a in hosts}
             ranks = offers.worker_ranks({a: dict(info[a].get("resources") or {})
                                          for a in able if a in info})
@@ -253,7 +253,7 @@ class RoundGraph:
         """Whether every worker offers ``resources`` (a soft pin of a task asking for them
         cannot then land on a worker without them; see ``_pinning_unsafe``)."""
         def offering(need):
-            hosts = averaging_algorithms.workers_by_host(self.client, need)
+            hosts = algorithms.workers_by_host(self.client, need)
             return sum(len(workers) for workers in hosts.values())
         if not resources:
             return True

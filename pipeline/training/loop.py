@@ -22,7 +22,7 @@ from pipeline.backends import get_backend
 from pipeline.core.config import Config
 from pipeline.core.errors import ClusterError, DivergenceError, Interrupted
 from pipeline.core.text import printable
-from pipeline.outputs import fs as rundir
+from pipeline.outputs import fs
 from pipeline.outputs import resume as resuming
 from pipeline.outputs import run_dir as outputs
 from pipeline.outputs.checkpoint import HostState
@@ -138,7 +138,7 @@ def train(config: Config, client=None, *, model=None, data=None, resume: bool = 
             return _run(client, run_dir, log, prep, stop, resume, overwrite,
                         dict(hooks=hooks, on_round=on_round))
         except BaseException:
-            if out is not None and rundir.restore(out):  # an overwrite with no checkpoint yet
+            if out is not None and fs.restore(out):  # an overwrite with no checkpoint yet
                 log(f"the new run failed before its first checkpoint; the run it was to replace "
                     f"is back in {out}")
             raise
@@ -176,7 +176,7 @@ def _already_complete(config: Config, out, prep: Prepared, log) -> TrainOutput:
     log(f"{out} is complete: {len(prep.rounds)} rounds, {epochs:g} epochs; to train it longer "
         f"give more epochs: --resume {out} --epochs {epochs * 2:g}")
     path = Path(out) / "metrics.jsonl"  # a torn or garbled line is skipped
-    history = (rundir.read_metrics(path, last_round=1 << 62, rounds=len(prep.rounds))
+    history = (fs.read_metrics(path, last_round=1 << 62, rounds=len(prep.rounds))
                if path.exists() else [])
     params = {k: v for k, v in prep.state.params[0].items() if not k.startswith("opt/")}
     model = get_backend().to_model(prep.model, prep.dataset.n_classes, params)

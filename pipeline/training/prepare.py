@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import augment as aug
-from pipeline.averaging import exact as averaging
+from pipeline.averaging import exact
 from pipeline.backends import get_backend
 from pipeline.backends import user as user_code
 from pipeline.core.config import Config
@@ -233,7 +233,7 @@ def on_cluster(client, config: Config, prep: Prepared, log) -> Setup:
     round_graph = graph.RoundGraph(client, data, config, n_classes=dataset.n_classes,
                                    device=device, train_resources=train_res,
                                    augment_resources=augment_res,
-                                   payload_bytes=averaging.nbytes(initial), watchdog=watchdog,
+                                   payload_bytes=exact.nbytes(initial), watchdog=watchdog,
                                    reload=lambda: graph.persist_dataset(client, dataset,
                                                                         resources=augment_res))
     ctx = Context(config, config.train.replicas, data.n_train, prep.per_epoch,

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 import augment
-from pipeline.averaging import exact as averaging
+from pipeline.averaging import exact
 from pipeline.backends import State, get_backend
 from pipeline.core.errors import UsageError
 from pipeline.core.rng import rng_for
@@ -90,9 +90,9 @@ def train(params: State, opt_state: State | None, shard: Shard, spec: StepSpec) 
         else:
             new_params, new_opt, stats = backend.train_steps(params, opt_state, shard.images,
                                                              shard.labels, spec, rng)
-    nonfinite = averaging.first_nonfinite(new_params)
+    nonfinite = exact.first_nonfinite(new_params)
     metrics = dict(loss_sum=stats.loss_sum, correct=stats.correct, n=stats.n,
-                   delta_sq=averaging.squared_distance(new_params, params)
+                   delta_sq=exact.squared_distance(new_params, params)
                    if spec.mode == "steps" and spec.displacement else 0.0,
                    finite=stats.finite and nonfinite is None, replica=spec.replica,
                    nonfinite=nonfinite, seconds=time.perf_counter() - start)

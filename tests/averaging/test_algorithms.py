@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from distributed import Client, LocalCluster
 
-from pipeline.averaging import exact as averaging
-from pipeline.averaging import algorithms as averaging_algorithms
-from pipeline.averaging import cost as scaling
-from pipeline.averaging import slices as shards
+from pipeline.averaging import exact
+from pipeline.averaging import algorithms
+from pipeline.averaging import cost
+from pipeline.averaging import slices
 from pipeline.averaging.algorithms import ALGORITHMS, Context, base
 from pipeline.core.config import AverageConfig
 from pipeline.averaging.placement import place
@@ -28,8 +28,8 @@ SPREAD = 30
 
 
 def tree_mean(states, fan_in):
-    return reduce_local(states, averaging.combine, averaging.finalize, fan_in=fan_in,
-                        combine_finalize=averaging.combine_finalize)
+    return reduce_local(states, exact.combine, exact.finalize, fan_in=fan_in,
+                        combine_finalize=exact.combine_finalize)
 
 
 # ---- the addition order ---------------------------------------------------------------------
@@ -38,8 +38,8 @@ def tree_mean(states, fan_in):
 def test_nodes_evaluate_to_the_graph_tree(k, fan_in):
     states = make_states(k, seed=k, spread=SPREAD)
     root = build(k, fan_in)
-    whole = evaluate(root, dict(enumerate(states)), averaging.combine,
-                     averaging.combine_finalize)
+    whole = evaluate(root, dict(enumerate(states)), exact.combine,
+                     exact.combine_finalize)
     assert same_bits(whole, tree_mean(states, fan_in))
 
 
@@ -55,9 +55,9 @@ def test_a_frontier_computed_elsewhere_gives_the_same_bits(seed):
     assert covered == sorted(covered) and set(covered) == local  # each local replica once
     known = dict(enumerate(states))
     for node in nodes:  # computed "on the host", then finished elsewhere
-        known[ident(node)] = evaluate(root, dict(enumerate(states)), averaging.combine,
-                                      averaging.combine_finalize, top=node)
-    out = evaluate(root, known, averaging.combine, averaging.combine_finalize)
+        known[ident(node)] = evaluate(root, dict(enumerate(states)), exact.combine,
+                                      exact.combine_finalize, top=node)
+    out = evaluate(root, known, exact.combine, exact.combine_finalize)
     assert same_bits(out, tree_mean(states, fan_in))
 
 
@@ -73,7 +73,7 @@ def test_a_different_order_would_give_different_bits():
 def test_shards_cover_every_element_once_balanced_by_bytes(n_shards):
     state = {"/a": np.zeros((5, 3), np.float32), "/b": np.zeros(7, np.float64),
              "/N": np.array(2), "/c": np.zeros(4, np.float16)}
-    layout = shards.layout_of(state, n_shards)
+    layout = slices.layout_of(state, n_shards)
     seen = {key: [] for key, _, _ in layout.entries}
     for s in range(n_shards):
         nbytes = 0
@@ -82,16 +82,16 @@ def test_shards_cover_every_element_once_balanced_by_bytes(n_shards):
             nbytes += (hi - lo) * state[key].itemsize
         assert nbytes <= layout.nbytes / n_shards + 8  # within one element of an even cut
     assert all(seen[k] == list(range(state[k].size)) for k in seen)
-    pieces = [shards.take(state, n_shards, s) for s in range(n_shards)]
-    assert same_bits(shards.assemble(pieces), state)
+    pieces = [slices.take(state, n_shards, s) for s in range(n_shards)]
+    assert same_bits(slices.assemble(pieces), state)
 
 
 def test_take_is_a_view_and_a_partial_is_cut_at_the_same_elements():
     state = make_states(1, seed=0, spread=SPREAD)[0]
-    piece = shards.take(state, 3, 1)
+    piece = slices.take(state, 3, 1)
     assert all(np.shares_memory(v, state[k]) for k, v in piece.value.items())
-    partial = averaging.leaf(state)
-    cut = shards.take(partial, 3, 1)
+    partial = exact.leaf(state)
+    cut = slices.take(partial, 3, 1)
     assert cut.layout[:3] == piece.layout[:3]
     assert {k: v.size for k, v in cut.value.sums.items()} == \
         {k: v.size for k, v in piece.value.items()}
@@ -101,9 +101,9 @@ def test_pieces_of_different_states_are_refused():
     a, b = make_states(2, seed=0, spread=SPREAD)
     b = {**b, "/conv1/W": b["/conv1/W"][:3]}
     with pytest.raises(ValueError, match="different entries"):
-        shards.reduce_pieces({0: shards.take(a, 2, 0), 1: shards.take(b, 2, 0)}, build(2, 2))
+        slices.reduce_pieces({0: slices.take(a, 2, 0), 1: slices.take(b, 2, 0)}, build(2, 2))
     with pytest.raises(ValueError, match="shards 0..1"):
-        shards.assemble([shards.take(a, 2, 1), shards.take(a, 2, 0)])
+        slices.assemble([slices.take(a, 2, 1), slices.take(a, 2, 0)])
 
 
 # ---- placement --------------------------------------------------------------------------------
@@ -204,7 +204,7 @@ def test_gather_adds_on_every_worker_holding_replicas(client):
 
 
 @pytest.mark.parametrize("fn", [base.copy, base.done, base.local_sum, base.reduce_shard,
-                                base.assemble, shards.take, shards.reduce_pieces])
+                                base.assemble, slices.take, slices.reduce_pieces])
 def test_task_functions_pickle_round_trip(fn):
     assert pickle.loads(pickle.dumps(fn)) is fn
 
@@ -214,35 +214,35 @@ def test_task_functions_pickle_round_trip(fn):
 def test_auto_picks_gather_or_the_tree_on_one_host_and_the_cost_model_across_hosts():
     cfg = AverageConfig()
     one = place({"h": ["w0", "w1", "w2", "w3"]}, 4)
-    assert averaging_algorithms.choose(one, 1e8, cfg)[0] == "tree"
+    assert algorithms.choose(one, 1e8, cfg)[0] == "tree"
     # Two workers on one host: each adds both states itself (the same bytes, both ways at
     # once); one worker (replicas as its threads): the same single sum as the tree's root.
     for workers in (["w0", "w1"], ["w0"]):
-        assert averaging_algorithms.choose(place({"h": workers}, 2), 1e8, cfg)[0] == "gather"
-    assert averaging_algorithms.choose(place({"h": ["w0", "w1"]}, 4), 1e8, cfg)[0] == "gather"
+        assert algorithms.choose(place({"h": workers}, 2), 1e8, cfg)[0] == "gather"
+    assert algorithms.choose(place({"h": ["w0", "w1"]}, 4), 1e8, cfg)[0] == "gather"
     four = place({f"h{i}": [f"w{i}"] for i in range(4)}, 4)
-    name, shards, why = averaging_algorithms.choose(four, 1e8, cfg)
+    name, shards, why = algorithms.choose(four, 1e8, cfg)
     assert name in ("sharded", "hierarchical") and shards == 4 and "predicted" in why
     packed = place({f"h{i}": [f"w{i}{j}" for j in range(4)] for i in range(4)}, 16)
-    assert averaging_algorithms.choose(packed, 1e8, AverageConfig(fan_in=4))[0] == \
+    assert algorithms.choose(packed, 1e8, AverageConfig(fan_in=4))[0] == \
         "hierarchical"
 
 
 def test_the_model_counts_bytes_per_link_like_the_graph():
-    net = scaling.Link(bandwidth=1e9, latency=0.0)
+    net = cost.Link(bandwidth=1e9, latency=0.0)
     L = 1e9
     # one replica per host: each phase moves L (p-1)/p over every link
-    assert scaling.sharded_allreduce_time(L, 8, net) == pytest.approx(2 * L * 7 / 8 / 1e9)
-    assert scaling.hierarchical_allreduce_time(L, 8, net) == \
-        pytest.approx(scaling.sharded_allreduce_time(L, 8, net))
+    assert cost.sharded_allreduce_time(L, 8, net) == pytest.approx(2 * L * 7 / 8 / 1e9)
+    assert cost.hierarchical_allreduce_time(L, 8, net) == \
+        pytest.approx(cost.sharded_allreduce_time(L, 8, net))
     # four replicas per host: flat sharding moves 4x the bytes, hierarchical one float64
     # partial (2L) plus one copy (L) per host and phase
-    flat = scaling.sharded_allreduce_time(L, 16, net, hosts=4)
-    local = scaling.hierarchical_allreduce_time(L, 16, net, hosts=4, fan_in=4)
+    flat = cost.sharded_allreduce_time(L, 16, net, hosts=4)
+    local = cost.hierarchical_allreduce_time(L, 16, net, hosts=4, fan_in=4)
     assert flat == pytest.approx(2 * 4 * L * 3 / 4 / 1e9)
     assert local == pytest.approx((2 + 1) * L * 3 / 4 / 1e9)
     # the binomial tree: two levels of fan-in 2 then log2(4) copies, one per host
-    tree = scaling.tree_allreduce_time(L, 4, net, fan_in=2, broadcast="binomial", hosts=4)
+    tree = cost.tree_allreduce_time(L, 4, net, fan_in=2, broadcast="binomial", hosts=4)
     assert tree == pytest.approx((L + 2 * L + 2 * L) / 1e9)
 
 
@@ -281,7 +281,7 @@ def test_training_on_hosts_gives_the_weights_of_the_tree_on_one_host(process_cli
     cfg = _train_config(**{"train.strategy": "ipm", "average.mix_every": "2",
                            "average.outer_lr": 0.8, "average.outer_momentum": 0.5})
     reference = train(cfg, client=process_client, log=lambda m: None)
-    monkeypatch.setattr(averaging_algorithms, "workers_by_host", _fake_hosts)
+    monkeypatch.setattr(algorithms, "workers_by_host", _fake_hosts)
     logs = []
     out = train(cfg.replace(**{"average.algorithm": "hierarchical"}), client=process_client,
                 log=logs.append)
@@ -306,7 +306,7 @@ def test_every_averaging_strategy_on_hosts_gives_the_weights_of_one_host(
     if cfg.checkpoint_every:
         cfg = cfg.replace(out=str(tmp_path / "one"))
     reference = train(cfg, client=process_client, log=lambda m: None)
-    monkeypatch.setattr(averaging_algorithms, "workers_by_host", _fake_hosts)
+    monkeypatch.setattr(algorithms, "workers_by_host", _fake_hosts)
     logs = []
     moved = cfg.replace(**{"average.algorithm": algorithm}, **(
         {"out": str(tmp_path / "hosts")} if cfg.checkpoint_every else {}))

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.averaging import exact as averaging
+from pipeline.averaging import exact
 from pipeline.averaging.exact import Partial, combine, finalize, leaf, outer_step
 from pipeline.averaging.reduction import reduce_local
 from tests.helpers import make_states
@@ -63,7 +63,7 @@ def test_gradient_mean_is_sum_of_counts_times_means_over_total():
     per_sample = rng.standard_normal((10, 5)).astype(np.float32)  # 10 samples' gradients
     shards = [per_sample[:6], per_sample[6:9], per_sample[9:]]
     grads = [{"/W": s.mean(axis=0, dtype=np.float64).astype(np.float32)} for s in shards]
-    out = averaging.mean(grads, weights=[len(s) for s in shards])
+    out = exact.mean(grads, weights=[len(s) for s in shards])
     np.testing.assert_allclose(out["/W"], per_sample.mean(axis=0), rtol=1e-6)
     assert out["/W"].dtype == np.float32
 
@@ -170,14 +170,14 @@ def test_outer_step_validates():
 def test_nbytes_and_finiteness():
     s = {"/a": np.zeros((2, 2), np.float32), "/N": np.array(1, np.int64),
          "/b": np.array([1.0, np.inf], np.float16)}
-    assert averaging.nbytes(s) == 16 + 8 + 4
-    assert averaging.first_nonfinite(s) == "/b" and not averaging.is_finite(s)
-    assert averaging.is_finite({"/a": np.ones(2), "/N": np.array(1)})
+    assert exact.nbytes(s) == 16 + 8 + 4
+    assert exact.first_nonfinite(s) == "/b" and not exact.is_finite(s)
+    assert exact.is_finite({"/a": np.ones(2), "/N": np.array(1)})
 
 
-@pytest.mark.parametrize("fn", [leaf, combine, finalize, averaging.combine_finalize,
-                                outer_step, averaging.mean,
-                                averaging.nbytes, averaging.is_finite, averaging.first_nonfinite])
+@pytest.mark.parametrize("fn", [leaf, combine, finalize, exact.combine_finalize,
+                                outer_step, exact.mean,
+                                exact.nbytes, exact.is_finite, exact.first_nonfinite])
 def test_functions_pickle_round_trip(fn):
     assert pickle.loads(pickle.dumps(fn)) is fn
 
@@ -200,7 +200,7 @@ def test_combine_finalize_is_finalize_of_combine_bit_for_bit(dtype):
     items = [states[0], leaf(states[1], 3), combine(states[2:4]), states[4]]
     like = {**{k: np.float32 for k in states[0]}, "/bn1/N": np.int64}
     for kwargs in ({}, {"like": like}):
-        fused, split = (averaging.combine_finalize(items, **kwargs),
+        fused, split = (exact.combine_finalize(items, **kwargs),
                         finalize(combine(items), **kwargs))
         assert list(fused) == list(split)
         for key in split:
@@ -228,10 +228,10 @@ def test_the_compiled_mean_gives_the_numpy_blocks_bits(monkeypatch, k, dtype):
     size = compiled.MIN_SIZE + 12345
     states = [{"/big": (rng.standard_normal(size) * 10.0 ** rng.integers(-30, 30, size))
                .astype(dtype), "/N": np.array(3)} for _ in range(k)]
-    weighted = [averaging.leaf(s, w) for s, w in zip(states, [0.5, 3, 1.25, 2, 7][:k])]
-    fast = averaging.combine_finalize(states), averaging.finalize(averaging.combine(weighted))
+    weighted = [exact.leaf(s, w) for s, w in zip(states, [0.5, 3, 1.25, 2, 7][:k])]
+    fast = exact.combine_finalize(states), exact.finalize(exact.combine(weighted))
     _numpy_blocks_only(monkeypatch)
-    slow = averaging.combine_finalize(states), averaging.finalize(averaging.combine(weighted))
+    slow = exact.combine_finalize(states), exact.finalize(exact.combine(weighted))
     for a, b in zip(fast, slow):
         assert a.keys() == b.keys()
         assert all(a[key].dtype == b[key].dtype and a[key].tobytes() == b[key].tobytes()

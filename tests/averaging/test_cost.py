@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.averaging import cost as scaling
+from pipeline.averaging import cost
 from pipeline.averaging.cost import (HUNDRED_GBPS, TEN_GBE, Link, LocalCosts, Workload, comm_time,
                                      efficiency, ring_allreduce_time, round_time, speedup,
                                      tree_allreduce_time, tree_widths)
@@ -53,9 +53,9 @@ def test_speedup_limits(link, algorithm):
         kwargs = dict(strategy=strategy, H=H, algorithm=algorithm)
         assert speedup(RESNET50, 1, link, **kwargs) == 1.0
         for p in (2, 16, 256):
-            s = speedup(RESNET50, p, link, scaling.THIS_MACHINE, **kwargs)
+            s = speedup(RESNET50, p, link, cost.THIS_MACHINE, **kwargs)
             assert 0 < s < p
-            eff = efficiency(RESNET50, p, link, scaling.THIS_MACHINE, **kwargs)
+            eff = efficiency(RESNET50, p, link, cost.THIS_MACHINE, **kwargs)
             assert eff == pytest.approx(s / p)
 
 
@@ -102,7 +102,7 @@ def test_validation_names_the_field():
 
 
 def test_config_objects_are_frozen_and_pickle():
-    for obj in (TEN_GBE, scaling.THIS_MACHINE, RESNET50):
+    for obj in (TEN_GBE, cost.THIS_MACHINE, RESNET50):
         assert pickle.loads(pickle.dumps(obj)) == obj
         with pytest.raises(dataclasses.FrozenInstanceError):
             obj.__setattr__(dataclasses.fields(obj)[0].name, 1)

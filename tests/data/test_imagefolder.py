@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from pipeline.data import datasets as data
-from pipeline.data import images as image_readers
+from pipeline.data import images as image_sources
 from pipeline.data import imagefolder
 from pipeline.core.config import DataConfig
 from pipeline.core.errors import DataError
@@ -151,8 +151,8 @@ def test_scan_runs_as_scan_tasks_on_the_client(tmp_path, dask_client):
 def test_task_functions_and_values_pickle(folder):
     files = imagefolder.list_folder(str(folder)).files[:2]
     chunk = imagefolder.DecodeChunk(files, 16)
-    stream = image_readers.Stream(files, 16, 1.0, 100, 8, "auto")
-    for value in (imagefolder.decode_chunk, imagefolder.scan_files, image_readers.decode_images,
+    stream = image_sources.Stream(files, 16, 1.0, 100, 8, "auto")
+    for value in (imagefolder.decode_chunk, imagefolder.scan_files, image_sources.decode_images,
                   chunk, stream, files[0]):
         assert pickle.loads(pickle.dumps(value)) == value
     np.testing.assert_array_equal(pickle.loads(pickle.dumps(imagefolder.decode_chunk))(chunk)[0],
@@ -168,12 +168,12 @@ def test_same_folder_same_keys_changed_file_new_keys(tmp_path):
 
 
 def test_cache_decision_by_worker_memory():
-    stream = image_readers.Stream((), 64, 1.0, 1, 128, "auto")
-    assert image_readers.cache_decision(stream, 1000, [4 << 30, 0])[0]
-    cached, note = image_readers.cache_decision(stream, 100_000, [1 << 30])
+    stream = image_sources.Stream((), 64, 1.0, 1, 128, "auto")
+    assert image_sources.cache_decision(stream, 1000, [4 << 30, 0])[0]
+    cached, note = image_sources.cache_decision(stream, 100_000, [1 << 30])
     assert not cached and "decoded again every epoch" in note and "1.1 GiB" in note
-    assert image_readers.cache_decision(stream._replace(cache="on"), 100_000, [1 << 30])[0]
-    assert not image_readers.cache_decision(stream._replace(cache="off"), 1, [])[0]
+    assert image_sources.cache_decision(stream._replace(cache="on"), 100_000, [1 << 30])[0]
+    assert not image_sources.cache_decision(stream._replace(cache="off"), 1, [])[0]
 
 
 def test_readers_say_whether_they_check_their_files_on_the_driver(folder, tmp_path):

@@ -21,7 +21,7 @@ from pipeline.outputs import checkpoint
 from pipeline.data import cifar
 from pipeline.core import npz
 from pipeline.outputs import run_dir as outputs
-from pipeline.outputs import fs as rundir
+from pipeline.outputs import fs
 from pipeline.outputs.checkpoint import HostState
 from pipeline.cli.parser import build_parser, main
 from pipeline.cli.commands import config_from_args
@@ -92,7 +92,7 @@ def test_demo_refuses_a_directory_that_is_not_ours(tmp_path, capsys):
 def test_an_empty_directory_is_claimed_and_marked(tmp_path, scheduler):
     (tmp_path / "empty").mkdir()
     assert _train("--out", str(tmp_path / "empty"), scheduler=scheduler) == 0
-    assert rundir.is_ours(tmp_path / "empty")
+    assert fs.is_ours(tmp_path / "empty")
     assert (tmp_path / "empty" / "model.npz").exists()
 
 
@@ -120,22 +120,22 @@ def test_an_overwrite_replaces_the_old_run_once_the_new_one_has_a_checkpoint(run
     assert _train("--out", str(run_copy), "--overwrite", "--seed", "9",
                   scheduler=scheduler) == 0
     assert (run_copy / "model.npz").read_bytes() != old_model
-    assert not (run_copy / rundir.PREVIOUS).exists()
+    assert not (run_copy / fs.PREVIOUS).exists()
     assert [p.name for p in (run_copy / "checkpoints").iterdir()] == ["round-000000"]
 
 
 def test_an_overwrite_killed_midway_is_settled_by_the_next_command(run_copy):
     before = tree_bytes(run_copy)
     names = outputs.RUN_FILES + outputs.RUN_DIRS
-    rundir.set_aside(run_copy, names)  # what --overwrite does first; then it is killed ...
+    fs.set_aside(run_copy, names)  # what --overwrite does first; then it is killed ...
     (run_copy / "config.json").write_text("{}")  # ... having written a little of the new run
     (run_copy / "metrics.jsonl").write_text('{"round": 0}\n')
-    rundir.settle(run_copy)
+    fs.settle(run_copy)
     assert tree_bytes(run_copy) == before
-    rundir.set_aside(run_copy, names)  # killed again, but after the new run's first checkpoint
+    fs.set_aside(run_copy, names)  # killed again, but after the new run's first checkpoint
     checkpoint.save(run_copy, HostState(0, [{"w": np.ones(2)}], [None], None), {}, {})
-    rundir.settle(run_copy)
-    assert not (run_copy / rundir.PREVIOUS).exists() and not (run_copy / "model.npz").exists()
+    fs.settle(run_copy)
+    assert not (run_copy / fs.PREVIOUS).exists() and not (run_copy / "model.npz").exists()
 
 
 def test_pruning_keeps_our_newest_and_touches_only_round_directories(tmp_path):
@@ -374,7 +374,7 @@ def test_a_checkpoint_of_other_shapes_is_refused_before_it_is_sent(run_copy, sch
 
 
 def test_resume_of_a_directory_without_our_marker(run_copy, capsys):
-    (run_copy / rundir.MARKER).unlink()
+    (run_copy / fs.MARKER).unlink()
     assert main(["train", "--resume", str(run_copy)]) == 2
     assert "it has no .dask-chainer-run marker" in _one_error_line(capsys.readouterr().err)
 
@@ -473,7 +473,7 @@ def test_a_huge_or_sparse_metrics_file_is_refused_on_resume_without_reading_it(r
     line = _one_error_line(capsys.readouterr().err)
     # the resumed plan has 4 rounds: 1 MiB + 4 x 64 KiB
     assert line == (f"error: {path}: {size} bytes is more than a run's log of 4 records can "
-                    f"hold (at most {rundir.lines_limit(4)} bytes)")
+                    f"hold (at most {fs.lines_limit(4)} bytes)")
 
 
 @pytest.mark.timeout(120)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import Config
-from pipeline.outputs import fs as rundir
+from pipeline.outputs import fs
 from pipeline.training import tasks
 from pipeline.cli.parser import build_parser
 from pipeline.cli.commands import config_from_args
@@ -306,7 +306,7 @@ def test_damaged_latest_checkpoint_resumes_from_the_one_before(tmp_path, dask_cl
     assert any("resuming" in x and "after round 7" in x for x in log), log
     assert_same_bits(result.params, reference)
     assert _metric_rounds(out) == list(range(ROUNDS))
-    assert not [p.name for p in out.rglob(".*") if p.name != rundir.MARKER], "temporaries left"
+    assert not [p.name for p in out.rglob(".*") if p.name != fs.MARKER], "temporaries left"
 
 
 @pytest.mark.parametrize("changes", [{}, {"train.strategy": "async", "average.mix_every": "2",

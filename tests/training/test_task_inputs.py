@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pipeline.data import augment as augment_graph
-from pipeline.averaging import exact as averaging
+from pipeline.averaging import exact
 from pipeline.core import npz
 from pipeline.training import tasks
 from pipeline.backends.chainer.compat import serializers
@@ -130,16 +130,16 @@ def test_the_task_functions_of_the_graph_leave_their_inputs_untouched(warm):
     blocks = ([shard.images[:5], shard.images[5:]], [shard.labels[:5], shard.labels[5:]])
     _call_untouched(augment_graph.augment, *blocks, (0, 5), np.array([7, 0, 3, 5]), np.arange(4),
                     "cifar-cutout", 0, 0, 1000)
-    other = {k: v + 1 if averaging.is_float(v) else v for k, v in params.items()}
-    mean = averaging.mean([params, other])
+    other = {k: v + 1 if exact.is_float(v) else v for k, v in params.items()}
+    mean = exact.mean([params, other])
     new, _, buf = _call_untouched(ipm.average_outer, params, mean, None, 0.7, 0.9, False)
     _call_untouched(ipm.average_outer, params, mean, buf, 0.7, 0.9, False,
                     [{"delta_sq": 1.0}, {"delta_sq": 2.0}])
     _call_untouched(asynchronous.apply, params, params, other, 0.5)
-    partials = [_call_untouched(averaging.leaf, p, 2) for p in (params, other)]
-    _call_untouched(averaging.combine, partials)
-    _call_untouched(averaging.finalize, averaging.combine(partials))
-    _call_untouched(averaging.combine_finalize, [params, other])
+    partials = [_call_untouched(exact.leaf, p, 2) for p in (params, other)]
+    _call_untouched(exact.combine, partials)
+    _call_untouched(exact.finalize, exact.combine(partials))
+    _call_untouched(exact.combine_finalize, [params, other])
 
 
 def test_ipm_splits_a_packed_mean_as_its_plain_outer_step_does(warm):
@@ -147,8 +147,8 @@ def test_ipm_splits_a_packed_mean_as_its_plain_outer_step_does(warm):
     copy of a packed mean (params and optimizer state) itself, next to its replica, with the
     bits the ``average_outer`` task gave."""
     params, opt = warm
-    other = {k: v + 1 if averaging.is_float(v) else v for k, v in params.items()}
-    mean = averaging.mean([ipm.pack((params, opt, {})), ipm.pack((other, opt, {}))])
+    other = {k: v + 1 if exact.is_float(v) else v for k, v in params.items()}
+    mean = exact.mean([ipm.pack((params, opt, {})), ipm.pack((other, opt, {}))])
     split = _call_untouched(ipm.unpack, mean)
     outer = ipm.average_outer(params, mean, None, 1.0, 0.0, True)
     assert_same_bits(split[0], outer[0])
@@ -187,7 +187,7 @@ def test_a_train_task_measures_its_displacement_only_when_asked(params):
     from pipeline.training.strategies.base import Context
     asked = tasks.train(params, None, _shard(), _spec()._replace(displacement=True))
     plain = tasks.train(params, None, _shard(), _spec())
-    assert asked.metrics["delta_sq"] == averaging.squared_distance(asked.params, params) > 0
+    assert asked.metrics["delta_sq"] == exact.squared_distance(asked.params, params) > 0
     assert plain.metrics["delta_sq"] == 0.0
     assert _fingerprint(asked.params) == _fingerprint(plain.params)
     rnd = plan_rounds(64, 2, 4, 1, 2)[0]

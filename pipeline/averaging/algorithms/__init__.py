@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from pipeline.averaging import cost as scaling
+from pipeline.averaging import cost
 from pipeline.averaging.algorithms import gather, hierarchical, sharded, tree
 from pipeline.averaging.algorithms.base import Context
 from pipeline.core.config_train import AVERAGE_ALGORITHMS
@@ -61,15 +61,15 @@ def predict(name: str, placement: Placement, state_bytes: float, cfg) -> tuple[f
     """``pipeline.averaging.cost``'s ``(seconds, shards)`` for one all-reduce with algorithm ``name``
     on links of ``cfg.link_gbps`` and this machine's local costs; with ``cfg.shards`` 0 the
     fastest shard count."""
-    link = scaling.Link(bandwidth=cfg.link_gbps * 1e9 / 8)
+    link = cost.Link(bandwidth=cfg.link_gbps * 1e9 / 8)
     p, hosts, units = placement.n_replicas, placement.n_hosts, len(placement.units())
     if name == "tree":
-        return scaling.comm_time(state_bytes, p, link, scaling.THIS_MACHINE, algorithm=name,
+        return cost.comm_time(state_bytes, p, link, cost.THIS_MACHINE, algorithm=name,
                                  fan_in=cfg.fan_in, hosts=hosts, broadcast="binomial"), units
     if cfg.shards:
-        return scaling.comm_time(state_bytes, p, link, scaling.THIS_MACHINE, algorithm=name,
+        return cost.comm_time(state_bytes, p, link, cost.THIS_MACHINE, algorithm=name,
                                  fan_in=cfg.fan_in, hosts=hosts, shards=cfg.shards), cfg.shards
-    shards, seconds = scaling.best_shards(state_bytes, p, link, scaling.THIS_MACHINE,
+    shards, seconds = cost.best_shards(state_bytes, p, link, cost.THIS_MACHINE,
                                           algorithm=name, hosts=hosts, fan_in=cfg.fan_in)
     return seconds, shards
 

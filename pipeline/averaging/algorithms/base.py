@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import NamedTuple
 
-from pipeline.averaging import slices as sh
+from pipeline.averaging import slices
 from pipeline.core import keys
 from pipeline.averaging.exact import combine, combine_finalize
 from pipeline.averaging.placement import Placement
@@ -63,19 +63,19 @@ def local_sum(root: Node, node: Node, states: Mapping, prepare: Callable | None 
     return evaluate(root, dict(states), combine, combine_finalize, top=node)
 
 
-def take_payload(prepare: Callable, value, n_shards: int, index: int) -> sh.Piece:
+def take_payload(prepare: Callable, value, n_shards: int, index: int) -> slices.Piece:
     """``shards.take`` of ``prepare(value)``: a replica's payload cut where it lives."""
-    return sh.take(prepare(value), n_shards, index)
+    return slices.take(prepare(value), n_shards, index)
 
 
-def reduce_shard(root: Node, pieces: Mapping) -> sh.Piece:
+def reduce_shard(root: Node, pieces: Mapping) -> slices.Piece:
     """One shard's mean over all replicas: ``shards.reduce_pieces`` (a task function)."""
-    return sh.reduce_pieces(pieces, root)
+    return slices.reduce_pieces(pieces, root)
 
 
-def assemble(*pieces: sh.Piece) -> dict:
+def assemble(*pieces: slices.Piece) -> dict:
     """The whole state from its averaged shards (``shards.assemble``)."""
-    return sh.assemble(list(pieces))
+    return slices.assemble(list(pieces))
 
 
 # ---- graph pieces ----------------------------------------------------------------------------
@@ -97,7 +97,7 @@ def take_all(ctx: Context, values: Mapping) -> dict:
     out = {}
     for name, (future, worker) in values.items():
         where = name if isinstance(name, tuple) else (name,)
-        fn = sh.take
+        fn = slices.take
         if ctx.prepare is not None and not isinstance(name, tuple):
             fn = partial(take_payload, ctx.prepare)
         out[name] = [ctx.submit(fn, future, ctx.shards, s, key=ctx.key("take", *where, s),
@@ -153,7 +153,7 @@ def scatter_allgather(ctx: Context, value, source: str) -> list:
     if pl is None or pl.n_hosts == 1:
         return [value] * ctx.replicas
     owners = shard_owners(ctx)
-    held = [ctx.submit(copy, ctx.submit(sh.take, value, ctx.shards, s,
+    held = [ctx.submit(copy, ctx.submit(slices.take, value, ctx.shards, s,
                                         key=ctx.key("bcast-take", s), worker=source),
                        key=ctx.key("bcast-hold", s), worker=owners[s])
             for s in range(ctx.shards)]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from functools import partial
 
-from pipeline.averaging import exact as averaging
+from pipeline.averaging import exact
 from pipeline.averaging.algorithms.base import Context, binomial_broadcast
 from pipeline.averaging.reduction import tree_reduce
 
@@ -31,10 +31,10 @@ def reduce(ctx: Context, payloads: Sequence):
     """The mean as one future (the tree's root; on replica 0's worker when placed)."""
     pl = ctx.placement
     leaf = partial(_leaf, prepare=ctx.prepare) if ctx.prepare is not None else _leaf
-    return tree_reduce(ctx.client, payloads, averaging.combine, averaging.finalize,
+    return tree_reduce(ctx.client, payloads, exact.combine, exact.finalize,
                        fan_in=ctx.fan_in, name=ctx.name, token=ctx.token,
                        coords=ctx.coords, leaf=leaf,
-                       combine_finalize=averaging.combine_finalize,
+                       combine_finalize=exact.combine_finalize,
                        workers=pl.replica_worker if pl is not None else ctx.homes)
 
 

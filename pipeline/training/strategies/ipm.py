@@ -7,7 +7,7 @@ here, not in the graph or the averaging math.
 """
 from __future__ import annotations
 
-from pipeline.averaging import exact as averaging
+from pipeline.averaging import exact
 from pipeline.training.strategies.base import Live, Strategy, Submitted
 
 OPT_PREFIX = "opt/"  # optimizer-state entries ride in the averaged payload under this prefix
@@ -44,7 +44,7 @@ def gain(previous: dict, mean: dict, metrics: list) -> float:
     """
     k = len(metrics)
     spread = sum(m["delta_sq"] for m in metrics) / k
-    moved = averaging.squared_distance(mean, previous)
+    moved = exact.squared_distance(mean, previous)
     if moved <= 0 or spread <= 0:
         return 1.0
     return float(min(max(spread / moved, 1.0), k))
@@ -61,7 +61,7 @@ def average_outer(previous: dict, mean: dict, momentum_buf: dict | None, lr: flo
     params, opt = unpack(mean) if with_opt else (mean, None)
     if metrics:
         lr = lr * gain({k: previous[k] for k in params}, params, metrics)
-    new, buf = averaging.outer_step({k: previous[k] for k in params}, params, momentum_buf, lr,
+    new, buf = exact.outer_step({k: previous[k] for k in params}, params, momentum_buf, lr,
                                     momentum)
     return new, opt, buf
 
