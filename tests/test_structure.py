@@ -33,6 +33,7 @@ PURE = ["augment", "pipeline.core.config", "pipeline.core.fields", "pipeline.cor
         "pipeline.training.extensions", "pipeline.training.attempt",
         "pipeline.outputs.fs", "pipeline.outputs.resume", "pipeline.training",
         "pipeline.training.tasks", "pipeline.training.telemetry", "pipeline.training.recovery",
+        "pipeline.training.placement",
         "pipeline.training.strategies", "pipeline.training.strategies.base",
         "pipeline.training.strategies.single", "pipeline.training.strategies.gradient",
         "pipeline.training.strategies.mixture", "pipeline.training.strategies.ipm",

@@ -14,9 +14,9 @@ import distributed
 import numpy as np
 
 from pipeline.averaging import algorithms
-from pipeline.cluster import resources as offers
 from pipeline.core import keys
 from pipeline.training import tasks
+from pipeline.training.placement import Placement, place
 from pipeline.training.tasks import move, pick
 from pipeline.data import arrays as data_arrays, datasets
 from pipeline.data.augment import augment
@@ -106,11 +106,7 @@ class RoundGraph:
         self.token = token or keys.new_token()
         self.payload_bytes = payload_bytes  # bytes of one replica's parameters
         self._perms: dict[int, np.ndarray] = {}
-        self._workers: list | None = None  # training workers by rank or name, for pin_replicas
-        self._rank_of: dict[str, str] = {}  # their RANK-i resources, where they advertise one
-        self._unsafe: bool | None = None  # some worker lacks the train resources: no pins
-        self._offered: dict = {}  # resources -> whether every worker offers them
-        self._nthreads: dict = {}  # worker address -> its threads
+        self._placement: Placement | None = None  # made once an attempt (``placement``)
         self.averaged_bytes = payload_bytes  # bytes per replica an average adds (auto weighs)
         self._plan: algorithms.Plan | None = None
         self._tests: list | None = None  # (images, labels) of each test chunk where it is read
@@ -142,7 +138,7 @@ class RoundGraph:
         ctx = algorithms.context(plan, self.client, self.token, coords,
                                            self.config.average.fan_in, self.config.train.replicas)
         if plan.placement is None:  # one host: the tree's nodes where their inputs' replicas
-            homes = tuple(self._home(k) for k in range(self.config.train.replicas))
+            homes = self.placement.homes
             ctx = ctx._replace(homes=homes if None not in homes else None)
         return algorithms.get(plan.algorithm), ctx
 
@@ -175,98 +171,15 @@ class RoundGraph:
             log("the cluster forgot the dataset's blocks: loading them again")
             self.data, self._tests = self.reload(), None
 
-    def _home(self, replica: int) -> str | None:
-        """The worker replica k lives on: where the averaging plan placed it, or with
-        ``cluster.pin_replicas`` worker k mod W of the W workers offering the train resources
-        (by rank where they advertise ``RANK-i``, else by name), as a rank stays on its GPU;
-        None: anywhere."""
-        placement = self.average_plan().placement
-        if placement is not None:
-            return placement.replica_worker[replica]
-        if not self.config.cluster.pin_replicas:
-            return None
-        workers = self._train_workers()
-        return workers[replica % len(workers)] if workers else None
-
-    def _thread_share(self, replica: int) -> int:
-        """Threads of replica k's tasks: its worker's threads over the replicas placed on that
-        worker (at least 1); 0 (the worker's threads, decided in the task) where replicas are
-        not placed. Every replica on a worker gets the same share, so the process-wide BLAS
-        limit (``core.threads``) is the one each asked for: K replicas as threads of one
-        K-thread worker round exactly as K one-thread workers do (1 thread each), and
-        ``single`` on a 2-thread worker runs its step on both."""
-        home = self._home(replica)
-        if home is None:
-            return 0
-        if home not in self._nthreads:
-            info = self.client.scheduler_info(n_workers=-1)["workers"]
-            self._nthreads.update({a: int(w.get("nthreads") or 1) for a, w in info.items()})
-        together = sum(self._home(k) == home for k in range(self.config.train.replicas))
-        return max(1, self._nthreads.get(home, 1) // max(1, together))
-
-    def _train_workers(self) -> list:
-        """Addresses of the workers offering the train resources, in rank order where each
-        advertises a ``RANK-i`` (and ``_rank_of`` filled), else by worker name; once an attempt."""
-        if self._workers is None:
-            info = self.client.scheduler_info(n_workers=-1)["workers"]
-            able = {a for hosts in algorithms.workers_by_host(
-                self.client, self.train_resources).values() for a in hosts}
-            ranks = offers.worker_ranks({a: dict(info[a].get("resources") or {})
-                                         for a in able if a in info})
-            if ranks and set(ranks.values()) == able:
-                self._workers = list(ranks.values())
-                self._rank_of = {a: offers.rank_resource(r) for r, a in ranks.items()}
-            else:
-                by_name = sorted(info.items(), key=lambda w: str(w[1]["name"]))
-                self._workers = [a for a, _ in by_name if a in able]
-        return self._workers
-
-    def _pinned(self, replica: int, resources: dict | None = None) -> dict:
-        """``submit`` arguments of a task of replica k that asks for ``resources``: a soft
-        preference for its ``_home``, so a lost worker's replica moves on. Where some worker
-        lacks the train resources (``_pinning_unsafe``) a resource-bound task is held to its home
-        by the home's ``RANK-i`` resource instead (restarted by its nanny, a worker keeps it),
-        and not placed at all where the workers advertise no ranks."""
-        home = self._home(replica)
-        if home is None:
-            return {"resources": resources}
-        if not resources or not self._pinning_unsafe():
-            return {"resources": resources, "workers": [home], "allow_other_workers": True}
-        self._train_workers()  # fills _rank_of also where the averaging plan chose the home
-        rank = self._rank_of.get(home)
-        return {"resources": {**resources, rank: 1} if rank else resources}
-
-    def _pinning_unsafe(self) -> bool:
-        """Whether a soft pin could send a resource-bound task to a worker without the resource.
-        For a task with loose worker restrictions distributed falls back to any worker,
-        resources notwithstanding: work stealing hands it to an idle thief when the pinned
-        worker is busy (``WorkStealing._get_thief``), and ``decide_worker`` does so once the
-        pinned worker is gone; the worker then fails on the missing resource (``KeyError:
-        'TRAIN'`` in its state machine, seen in CI with a loader). So where train- tasks ask for
-        resources that some worker lacks (loader workers; a GPU box's CPU workers) nothing is
-        pinned: the resources alone place the tasks."""
-        if self._unsafe is None:
-            self._unsafe = not self._everywhere(self.train_resources)
-        return self._unsafe
-
-    def _everywhere(self, resources: dict | None) -> bool:
-        """Whether every worker offers ``resources`` (a soft pin of a task asking for them
-        cannot then land on a worker without them; see ``_pinning_unsafe``)."""
-        def offering(need):
-            hosts = algorithms.workers_by_host(self.client, need)
-            return sum(len(workers) for workers in hosts.values())
-        if not resources:
-            return True
-        name = tuple(sorted(resources.items()))
-        if name not in self._offered:  # once an attempt, like the plan: the workers seen then
-            self._offered[name] = offering(resources) >= offering(None)
-        return self._offered[name]
-
-    def _augment_where(self, replica: int) -> dict:
-        """``submit`` arguments placing replica k's augment- task on its train worker where
-        every worker may augment (a soft pin: a lost worker costs placement only); else none."""
-        home = self._home(replica) if self._everywhere(self.augment_resources) else None
-        return {"workers": [home], "allow_other_workers": True} if home is not None else {}
+    @property
+    def placement(self) -> Placement:
+        """Where this attempt's replicas live, their thread shares and how their tasks are held
+        there (``pipeline.training.placement``): made once, for the workers the averaging plan
+        saw."""
+        if self._placement is None:
+            self._placement = place(self.client, self.config, self.average_plan(),
+                                    self.train_resources, self.augment_resources)
+        return self._placement
 
     def _to_trainer(self, shard, replica: int, key: tuple):
         """Prefetch: the shard of ``replica`` moved to the worker its train- task will run on,
@@ -275,8 +188,8 @@ class RoundGraph:
         task (asking for no resources, so a soft pin is safe) copies it over. The train- task
         then finds its input on its worker instead of fetching it once the average is in.
         Placement only: the bits are the same."""
-        home = self._home(replica)
-        if home is None or self._everywhere(self.augment_resources):
+        home = self.placement.home(replica)
+        if home is None or self.placement.augment_anywhere:
             return shard
         return self._moved_to(shard, home, (*key, "move"))
 
@@ -292,7 +205,7 @@ class RoundGraph:
             replicas = self.config.train.replicas
             self._tests = []
             for i, chunk in enumerate(zip(self.data.test_images, self.data.test_labels)):
-                home = self._home(i % replicas)
+                home = self.placement.home(i % replicas)
                 self._tests.append(tuple(
                     self._moved_to(value, home, self.key("load", "test", i, part))
                     for part, value in zip(("images", "labels"), chunk)))
@@ -316,10 +229,11 @@ class RoundGraph:
         ``fields``: names of the fields of a tuple result; each becomes its own small task
         ``(stage-token, *coords, name)`` so consumers fetch only that part; returns their
         futures. ``train``: ask for the train resources (a GPU). ``pin``: run where replica
-        ``pin`` lives (see ``_pinned``), e.g. next to the mean that ``mean`` left there.
+        ``pin`` lives (``Placement.pinned``), e.g. next to the mean that ``mean`` left there.
         """
         resources = self.train_resources if train else None
-        where = self._pinned(pin, resources) if pin is not None else {"resources": resources}
+        where = (self.placement.pinned(pin, resources) if pin is not None
+                 else {"resources": resources})
         with distributed.span(stage):
             key = self.key(stage, *coords)
             fut = self.client.submit(func, *args, key=key, pure=False, **where)
@@ -347,7 +261,7 @@ class RoundGraph:
                     self.augment_resources)
             indices = np.arange(len(indices))
         key = self.key("augment", rnd.index, replica)
-        where = self._augment_where(replica)
+        where = self.placement.augment_where(replica)
         with distributed.span("augment"):
             shard = self.client.submit(augment, images, labels, starts, indices, positions,
                                        cfg.augment.policy, cfg.seed, rnd.epoch,
@@ -360,11 +274,12 @@ class RoundGraph:
         """Futures ``(params, opt, metrics, result)`` of a replica's train- task (``result``:
         the whole ``TrainResult``). ``pin``: the replica whose worker it prefers (default
         ``replica``) when ``cluster.pin_replicas`` is on."""
+        home = replica if pin is None else pin
         if not spec.threads:
-            spec = spec._replace(threads=self._thread_share(replica if pin is None else pin))
+            spec = spec._replace(threads=self.placement.threads[home])
         with distributed.span("train"):
             key = self.key("train", rnd.index, replica)
-            where = self._pinned(replica if pin is None else pin, self.train_resources)
+            where = self.placement.pinned(home, self.train_resources)
             fut = self.client.submit(tasks.train, params, opt, shard, spec, key=key, pure=False,
                                      **where)
             # The picks ask for what the train- task did and where: unpinned, the scheduler gave
@@ -386,13 +301,13 @@ class RoundGraph:
         waiting for it (0.1-0.7 s an epoch on two workers)."""
         replicas = self.config.train.replicas
         if not spec.threads:  # any training worker may evaluate: the smallest share
-            shares = [self._thread_share(k) for k in range(replicas)]
-            spec = spec._replace(threads=min(shares) if all(shares) else 0)
+            spec = spec._replace(threads=self.placement.smallest_share())
         with distributed.span("evaluate"):
             return [self.client.submit(tasks.evaluate, copies[i % replicas % len(copies)],
                                        images, labels, spec,
                                        key=self.key("evaluate", rnd_index, i), pure=False,
-                                       **self._pinned(i % replicas, self.train_resources))
+                                       **self.placement.pinned(i % replicas,
+                                                               self.train_resources))
                     for i, (images, labels) in enumerate(self._test_blocks())]
 
     def scatter(self, value, replica: int | None = None):
@@ -402,7 +317,7 @@ class RoundGraph:
 
     def scatter_many(self, values: list, replica: int | None = None) -> list:
         """``scatter`` of several values in one round trip; a ``None`` stays ``None``."""
-        home = self._home(replica) if replica is not None else None
+        home = self.placement.home(replica) if replica is not None else None
         where = [home] if home is not None else None
         present = [v for v in values if v is not None]
         try:

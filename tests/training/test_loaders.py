@@ -135,7 +135,7 @@ def test_pinned_replicas_go_to_the_training_workers_and_never_beside_a_loader():
     def pins(client, key="workers"):
         g = graph.RoundGraph(client, None, cfg, n_classes=10, device="cpu",
                              train_resources={"TRAIN": 1}, augment_resources={"CPU": 1})
-        return [g._pinned(k, {"TRAIN": 1}).get(key) for k in range(3)]
+        return [g.placement.pinned(k, {"TRAIN": 1}).get(key) for k in range(3)]
 
     assert pins(_Workers(loader=False)) == [
         ["tcp://127.0.0.1:2"], ["tcp://127.0.0.1:3"], ["tcp://127.0.0.1:2"]]
@@ -170,7 +170,7 @@ def test_replicas_are_pinned_by_default_and_no_pin_replicas_lets_dask_place_them
     def pins(cfg):
         g = graph.RoundGraph(_Workers(loader=False), None, cfg, n_classes=10, device="cpu",
                              train_resources=None, augment_resources=None)
-        return [g._pinned(k).get("workers") for k in range(2)]
+        return [g.placement.pinned(k).get("workers") for k in range(2)]
 
     cfg = Config().replace(**{"train.replicas": 2})
     assert pins(cfg) == [["tcp://127.0.0.1:2"], ["tcp://127.0.0.1:3"]]

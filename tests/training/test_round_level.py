@@ -91,7 +91,8 @@ def test_shards_are_made_where_their_replica_trains_and_the_bytes_stay(dask_clie
     assert {i for _, i in evaluated} == {0, 1}  # 200 test images: two chunks (eval_chunk_size)
     assert all(w == home[i % 2] for (_, i), w in evaluated.items()), evaluated
 
-    monkeypatch.setattr(graph.RoundGraph, "_augment_where", lambda self, replica: {})
+    from pipeline.training.placement import Placement
+    monkeypatch.setattr(Placement, "augment_where", lambda self, replica: {})
     monkeypatch.setattr(graph.RoundGraph, "_to_trainer", lambda self, shard, replica, key: shard)
     plain, _ = _run(dask_client, **{"data.source": "synthetic:192:200"})
     assert_same_bits(prefetched.params, plain.params)
@@ -106,7 +107,7 @@ def test_shards_are_made_where_their_replica_trains_and_the_bytes_stay(dask_clie
 def test_replicas_as_threads_of_one_worker_round_as_one_replica_per_worker(dask_client):
     """Two replicas as the two threads of one worker (their average reads both states in place,
     moving no bytes) give the bytes of one replica per one-thread worker: each caps BLAS at its
-    share of the worker's threads (``RoundGraph._thread_share``), 1, as a one-thread worker does."""
+    share of the worker's threads (``placement.thread_shares``), 1, as a one-thread worker does."""
     import distributed
     per_worker, _ = _run(dask_client)
     with distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=False,
@@ -119,20 +120,11 @@ def test_replicas_as_threads_of_one_worker_round_as_one_replica_per_worker(dask_
 
 
 def test_thread_share_is_the_workers_threads_over_its_replicas():
-    from types import SimpleNamespace
-
-    class Graph(graph.RoundGraph):
-        def __init__(self, homes, threads):
-            self._homes, self._nthreads = homes, threads
-            self.config = SimpleNamespace(train=SimpleNamespace(replicas=len(homes)))
-
-        def _home(self, replica):
-            return self._homes[replica]
-
-    assert [Graph(["a", "a"], {"a": 2})._thread_share(k) for k in (0, 1)] == [1, 1]
-    assert Graph(["a"], {"a": 2})._thread_share(0) == 2  # single: both cores
-    assert [Graph(["a", "b", "a"], {"a": 4, "b": 1})._thread_share(k) for k in (0, 1, 2)] == [2, 1, 2]
-    assert Graph([None], {})._thread_share(0) == 0  # not placed: the worker's threads
+    from pipeline.training.placement import thread_shares
+    assert thread_shares(("a", "a"), {"a": 2}) == (1, 1)
+    assert thread_shares(("a",), {"a": 2}) == (2,)  # single: both cores
+    assert thread_shares(("a", "b", "a"), {"a": 4, "b": 1}) == (2, 1, 2)
+    assert thread_shares((None,), {}) == (0,)  # not placed: the worker's threads
 
 
 def test_single_on_a_two_thread_worker_uses_both_threads_with_the_bits_of_one(monkeypatch):
