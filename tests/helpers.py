@@ -66,7 +66,7 @@ def make_states(k: int, seed: int, dtype=np.float32, spread: int = 0) -> list[di
 
 def host_state(round_: int, replicas: int = 1, opts: bool = False, outer: bool = False):
     """A small ``HostState`` whose values say its round: ``conv1/W`` full of ``round_``."""
-    from pipeline.outputs.checkpoint import HostState
+    from pipeline.core.state import HostState
     params = {"conv1/W": np.full((2, 2), round_, np.float32)}
     if opts:
         params["bn/N"] = np.array(round_)

@@ -19,7 +19,8 @@ from tests.clusters import REPO
 PURE = ["augment", "pipeline.core.config", "pipeline.core.fields", "pipeline.core.errors",
         "pipeline.core.rng",
         "pipeline.core.keys", "pipeline.core.schedule", "pipeline.core.threads",
-        "pipeline.core.interrupt", "pipeline.core.files", "pipeline.core.npz", "pipeline.backends",
+        "pipeline.core.interrupt", "pipeline.core.files", "pipeline.core.npz", "pipeline.core.state",
+        "pipeline.backends",
         "pipeline.core.text",
         "pipeline.cluster", "pipeline.cluster.watchdog", "pipeline.cluster.assignments",
         "pipeline.core.arrays", "pipeline.data", "pipeline.data.readers", "pipeline.data.augment",
@@ -35,6 +36,7 @@ PURE = ["augment", "pipeline.core.config", "pipeline.core.fields", "pipeline.cor
         "pipeline.training.tasks", "pipeline.training.telemetry", "pipeline.training.recovery",
         "pipeline.training.placement",
         "pipeline.training.strategies", "pipeline.training.strategies.base",
+        "pipeline.training.strategies.policy",
         "pipeline.training.strategies.single", "pipeline.training.strategies.gradient",
         "pipeline.training.strategies.mixture", "pipeline.training.strategies.ipm",
         "pipeline.training.strategies.asynchronous"]

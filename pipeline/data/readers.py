@@ -9,9 +9,12 @@ them, so CIFAR python, CIFAR binary, image folders and file lists are peers.
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pipeline.data.images import Stream
 
 
 class Plan(NamedTuple):
@@ -26,7 +29,7 @@ class Plan(NamedTuple):
     stage: str = "load"  # key prefix of the read tasks: "load" (CIFAR) or "decode" (images)
     image_shape: tuple = (3, 32, 32)  # (C, H, W) of one image
     info: dict | None = None  # extra fields for `inspect` (formats, sizes seen, ...)
-    stream: object = None  # image sources: what decoding the training split again each epoch
+    stream: Stream | None = None  # image sources: what decoding the training split again each epoch
     #                        needs (pipeline.data.images.Stream); None for in-memory sources
     arrays: tuple | None = None  # data that is an array already (pipeline.data.arrays): the
     #                              dataset's (images, labels, test images, test labels) dask arrays;

@@ -17,10 +17,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 
+from pipeline.core.state import HostState  # noqa: F401  (also its old home)
 from pipeline.core import arrays, npz
 from pipeline.core.config_train import MAX_REPLICAS  # replicas a checkpoint may hold
 from pipeline.core.errors import OutputError, ResumeError, one_line
@@ -29,14 +29,6 @@ from pipeline.outputs.fs import checkpoint_dirs
 
 KEEP = 2  # checkpoints kept; older ones are removed after a new one is complete
 MAX_META_BYTES = 16 * MIB  # meta.json: the config and two digests, ~2 KB
-
-
-class HostState(NamedTuple):
-    """The whole training state after round ``round`` (-1: before the first round), on the host."""
-    round: int
-    params: list  # per replica: dict[str, np.ndarray]
-    opts: list  # per replica: dict[str, np.ndarray] or None
-    outer: dict | None  # outer optimizer momentum buffer, or None
 
 
 def sha256(path: Path, error: type[Exception] = ResumeError) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from pipeline.outputs import checkpoint
-from pipeline.outputs.checkpoint import HostState
+from pipeline.core.state import HostState
 from pipeline.core.errors import ResumeError
 from pipeline.outputs.fs import has_checkpoint, read_json
 

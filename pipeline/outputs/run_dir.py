@@ -13,7 +13,7 @@ from pipeline.core import files
 from pipeline.outputs import checkpoint
 from pipeline.outputs import resume as resuming
 from pipeline.outputs import fs
-from pipeline.outputs.checkpoint import HostState
+from pipeline.core.state import HostState
 from pipeline.core.errors import UsageError
 from pipeline.data.kept import EVAL_FILE
 

@@ -7,16 +7,21 @@ Augmentation runs ``augment.prefetch`` rounds ahead of training.
 """
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple
+from typing import TYPE_CHECKING, Iterator, NamedTuple
 
 from pipeline.core.errors import DivergenceError
 from pipeline.outputs import checkpoint
-from pipeline.outputs.checkpoint import HostState
+from pipeline.core.state import HostState
+
+if TYPE_CHECKING:
+    from pipeline.core.schedule import Round
+    from pipeline.training.graph import RoundGraph
+    from pipeline.training.strategies.base import Strategy
 
 
 class Pending(NamedTuple):
     """A round submitted but not collected."""
-    rnd: object  # pipeline.core.schedule.Round
+    rnd: Round
     live: object  # the strategy's state after this round (futures)
     metrics: list  # futures of the updates' metric dicts
     evals: list  # futures of evaluate- results ([] when not evaluated)
@@ -30,7 +35,8 @@ class Attempt:
     replays rounds after lost work.
     """
 
-    def __init__(self, graph, strategy, start: HostState, *, plan: list, replay: bool):
+    def __init__(self, graph: RoundGraph, strategy: Strategy, start: HostState, *, plan: list,
+                 replay: bool):
         self.graph, self.strategy, self.plan = graph, strategy, plan
         self.start = self.anchor = start
         self.replay = replay

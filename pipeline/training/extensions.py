@@ -10,10 +10,14 @@ anchor and save the curves of an interrupted run. All run on the driver, never i
 from __future__ import annotations
 
 import sys
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from pipeline.core.errors import Interrupted
 from pipeline.outputs.hooks import RunInfo
+
+if TYPE_CHECKING:
+    from pipeline.core.schedule import Round
+    from pipeline.training.attempt import Attempt, Pending
 
 # Chainer's levels (chainer.training.extension): writers add to what readers report.
 PRIORITY_WRITER = 300
@@ -26,13 +30,13 @@ PRIORITY_ANCHOR = -200  # the lineage is cut once the state is saved
 
 class RoundState(NamedTuple):
     """What triggers and extensions see once a round is collected."""
-    rnd: object  # pipeline.core.schedule.Round
+    rnd: Round
     line: dict  # its metrics line (pipeline.outputs.metrics.line)
     new: bool  # first report (False: a round replayed after lost work, already written)
     anchor: bool  # the state after the round becomes the anchor (gathered and checked)
     stopping: bool  # a stop was requested: the run ends after this round
-    attempt: object  # pipeline.training.attempt.Attempt that collected it
-    pending: object  # pipeline.training.attempt.Pending: its futures and the strategy's records
+    attempt: Attempt  # the attempt that collected it
+    pending: Pending  # its futures and the strategy's records
 
 
 class Extension:

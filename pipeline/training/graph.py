@@ -8,7 +8,7 @@ of its name, so the dashboard's fine performance metrics split time by stage too
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import distributed
 import numpy as np
@@ -22,6 +22,17 @@ from pipeline.data import arrays as data_arrays, datasets
 from pipeline.data.augment import augment
 from pipeline.core.schedule import Round, epoch_permutation, shard_positions
 
+if TYPE_CHECKING:
+    from pipeline.data.images import Stream
+
+
+class Trained(NamedTuple):
+    """Futures of one replica's train- task: its parts, each a small pick task beside it."""
+    params: distributed.Future  # the replica's parameters after its steps
+    opt: distributed.Future  # its optimizer state
+    metrics: distributed.Future  # the metrics dict of its steps
+    result: distributed.Future  # the whole ``TrainResult`` (what the picks take apart)
+
 
 class Persisted(NamedTuple):
     """The dataset, loaded once and kept on the cluster as one future per block."""
@@ -31,7 +42,7 @@ class Persisted(NamedTuple):
     test_images: list
     test_labels: list
     n_train: int
-    stream: object = None  # pipeline.data.images.Stream when the training set is not cached, else None
+    stream: Stream | None = None  # when the training set is not cached, else None
     note: str = ""  # one line for the run's log: what the cache holds, or why it is off
 
 
@@ -270,10 +281,9 @@ class RoundGraph:
             return self._to_trainer(shard, replica, key)
 
     def submit_train(self, rnd: Round, replica: int, params, opt, shard, spec: tasks.StepSpec,
-                     pin: int | None = None):
-        """Futures ``(params, opt, metrics, result)`` of a replica's train- task (``result``:
-        the whole ``TrainResult``). ``pin``: the replica whose worker it prefers (default
-        ``replica``) when ``cluster.pin_replicas`` is on."""
+                     pin: int | None = None) -> Trained:
+        """The futures of a replica's train- task. ``pin``: the replica whose worker it prefers
+        (default ``replica``) when ``cluster.pin_replicas`` is on."""
         home = replica if pin is None else pin
         if not spec.threads:
             spec = spec._replace(threads=self.placement.threads[home])
@@ -290,7 +300,7 @@ class RoundGraph:
             picks = tuple(self.client.submit(pick, fut, i, key=(*key, name), pure=False,
                                              **where)
                           for i, name in enumerate(("params", "opt", "metrics")))
-            return (*picks, fut)
+            return Trained(*picks, fut)
 
     def submit_evaluate(self, rnd_index: int, copies: list, spec: tasks.EvalSpec) -> list:
         """The evaluate- tasks of the weights in ``copies`` (futures of the same weights: one,

@@ -25,7 +25,7 @@ from pipeline.core.text import printable
 from pipeline.outputs import fs
 from pipeline.outputs import resume as resuming
 from pipeline.outputs import run_dir as outputs
-from pipeline.outputs.checkpoint import HostState
+from pipeline.core.state import HostState
 from pipeline.outputs.hooks import RunInfo
 from pipeline.outputs.metrics import line as metrics_line
 from pipeline.training import prepare, recovery, strategies

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -13,6 +13,9 @@ from pipeline.core.errors import DataError, UsageError
 from pipeline.data.cifar import CIFAR10_LABEL_NAMES
 from pipeline.data import imagefolder
 from pipeline.training import tasks
+
+if TYPE_CHECKING:
+    from pipeline.backends import ModelRef
 
 MAX_IMAGES = 100_000  # one predict call decodes at most this many files (memory: N x 3 x S x S)
 
@@ -41,7 +44,7 @@ class Prediction(NamedTuple):
 
 class Model(NamedTuple):
     """A trained model as predict needs it: weights, what they are, how its images were read."""
-    name: object  # a registry model name, or the resolved ModelRef of the user's own model
+    name: str | ModelRef  # a registry model name, or the user's own model, resolved
     params: dict  # state dict
     class_names: list
     side: int  # pixels of the square images the model saw

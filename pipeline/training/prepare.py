@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import augment as aug
 from pipeline.averaging import exact
@@ -15,9 +15,15 @@ from pipeline.core.config import Config
 from pipeline.core.errors import ResumeError, UsageError
 from pipeline.outputs import checkpoint
 from pipeline.outputs import resume as resuming
-from pipeline.outputs.checkpoint import HostState
+from pipeline.core.state import HostState
 from pipeline.training import strategies
 from pipeline.training.strategies.base import Context
+
+if TYPE_CHECKING:
+    from pipeline.backends import ModelRef
+    from pipeline.cluster.watchdog import Watchdog
+    from pipeline.data.datasets import Dataset
+    from pipeline.training.graph import RoundGraph
 
 
 def normalise(config: Config) -> Config:
@@ -84,12 +90,12 @@ def resolve_model(config: Config, factory, dataset):
 # ---- before a cluster starts -----------------------------------------------------------------
 class Prepared(NamedTuple):
     """What a run knows before a cluster starts: data, plan and the state it starts from."""
-    dataset: object  # pipeline.data.datasets.Dataset (lazy; validated on the driver)
+    dataset: Dataset  # lazy; validated on the driver
     rounds: list  # the plan: pipeline.core.schedule.Round for every round of the run
     per_epoch: int
     period: int
     state: HostState | None  # the checkpoint a resume goes on from (None: from the start)
-    model: object = None  # what tasks build: a registry name or a ModelRef (resolve_model)
+    model: str | ModelRef | None = None  # what tasks build (resolve_model)
 
     @property
     def complete(self) -> bool:
@@ -209,8 +215,8 @@ def initial_params(config: Config, n_classes: int, model=None, weights: bool = T
 # ---- on the cluster --------------------------------------------------------------------------
 class Setup(NamedTuple):
     """What a run builds on the cluster before its first round."""
-    graph: object  # pipeline.training.graph.RoundGraph (each attempt takes a fresh token of it)
-    watchdog: object  # pipeline.cluster.watchdog.Watchdog: looks at the tasks while we wait
+    graph: RoundGraph  # each attempt takes a fresh token of it
+    watchdog: Watchdog  # looks at the tasks while we wait
     ctx: Context
     strategy: type  # the Strategy class of train.strategy
     initial: dict  # the model's initial parameters (a run from the start begins there)

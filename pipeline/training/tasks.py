@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -21,10 +21,13 @@ from pipeline.core.rng import rng_for
 from pipeline.core.threads import worker_threads
 from pipeline.data.readers import Shard
 
+if TYPE_CHECKING:
+    from pipeline.backends import ModelRef
+
 
 class StepSpec(NamedTuple):
     """Everything a train task needs besides its state and its shard."""
-    model: object  # a registry name, or a backends.ModelRef (the user's factory travels in it)
+    model: str | ModelRef  # a registry name, or the user's model (its factory travels in it)
     n_classes: int
     optimizer: str  # sgd | momentum | adam | a class name of the framework's optimizers
     momentum: float
@@ -130,7 +133,7 @@ def update(params: State, opt_state: State | None, mean: State, spec: StepSpec) 
 
 
 class EvalSpec(NamedTuple):
-    model: object  # as StepSpec.model
+    model: str | ModelRef  # as StepSpec.model
     n_classes: int
     tta: bool = False
     device: str = "cpu"

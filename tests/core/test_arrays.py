@@ -4,7 +4,7 @@ import numpy as np
 from pipeline import averaging
 from pipeline.core import arrays
 from pipeline.outputs import checkpoint
-from pipeline.outputs.checkpoint import HostState
+from pipeline.core.state import HostState
 
 
 def test_one_is_float_and_one_first_nonfinite_behind_every_front():

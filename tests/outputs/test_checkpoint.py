@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from pipeline.outputs import checkpoint
-from pipeline.outputs.checkpoint import HostState
+from pipeline.core.state import HostState
 from pipeline.core.errors import ResumeError
 from tests.helpers import host_state
 

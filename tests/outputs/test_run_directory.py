@@ -22,7 +22,7 @@ from pipeline.data import cifar
 from pipeline.core import npz
 from pipeline.outputs import run_dir as outputs
 from pipeline.outputs import fs
-from pipeline.outputs.checkpoint import HostState
+from pipeline.core.state import HostState
 from pipeline.cli.parser import build_parser, main
 from pipeline.cli.commands import config_from_args
 from pipeline.core.config import ClusterConfig

@@ -8,7 +8,7 @@ import pytest
 from pipeline import Config
 from pipeline.core.errors import DivergenceError, Interrupted
 from pipeline.core.schedule import Round
-from pipeline.outputs.checkpoint import HostState
+from pipeline.core.state import HostState
 from pipeline.outputs.run_dir import RunDir
 from pipeline.training import extensions as ext
 from pipeline.training.attempt import Attempt, Pending

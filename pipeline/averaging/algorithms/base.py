@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from pipeline.averaging import slices
 from pipeline.core import keys
@@ -17,10 +17,13 @@ from pipeline.averaging.exact import combine, combine_finalize
 from pipeline.averaging.placement import Placement
 from pipeline.averaging.order import Node, evaluate, ident
 
+if TYPE_CHECKING:
+    from distributed import Client
+
 
 class Context(NamedTuple):
     """Where and under which keys one average is built."""
-    client: object  # distributed.Client
+    client: Client
     name: str  # the stage in the keys: "average"
     token: str  # the run token (8 hex digits)
     coords: tuple  # (round,)

@@ -25,16 +25,21 @@ sparse models; dense CNN updates are applied whole, one at a time, by one task.
 from __future__ import annotations
 
 import json
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from pipeline.training import tasks
 from pipeline.averaging.exact import is_float
-from pipeline.outputs.checkpoint import HostState
+from pipeline.core.state import HostState
 from pipeline.core.errors import UsageError
 from pipeline.core.files import MIB, read_text
 from pipeline.training.strategies.base import Strategy, Submitted
+
+if TYPE_CHECKING:
+    from distributed import Future
+
+    from pipeline.training.graph import Trained
 
 UPDATES = "updates.jsonl"  # the order an arrival run applied its updates, one line per update
 
@@ -180,18 +185,18 @@ def check_replayable(order: list[int], replicas: int, where: str) -> None:
 
 class Flight(NamedTuple):
     """A replica's update in flight: where it sits in the order, the state it started from, and
-    the futures of its train- task ``(params, opt, metrics, result)``."""
+    the futures of its train- task."""
     at: InFlight
-    pulled: object  # future of the parameters it pulled
-    opt: object  # future of the optimizer state it started from (None: fresh)
-    out: tuple
+    pulled: Future  # the parameters it pulled
+    opt: Future | None  # the optimizer state it started from (None: fresh)
+    out: Trained
 
 
 class AsyncLive(NamedTuple):
     """The state after a round, as futures: the server's params (and optimizer state for
     gradient pushes) and each replica's update in flight, with the order's bookkeeping."""
-    server: object
-    server_opt: object
+    server: Future  # the newest parameters
+    server_opt: Future | None  # their optimizer state (gradient pushes), else None
     applied: int  # updates applied so far
     next_slot: int  # first slot not handed out yet
     inflight: dict  # replica -> Flight
@@ -347,9 +352,9 @@ class Async(Strategy):
             waiting = [k for k in sorted(live.inflight) if k not in arrived]
             if not waiting:  # cannot happen with max_staleness >= K - 1 (see check)
                 raise RuntimeError(f"no update can be applied at position {n}")
-            results = [live.inflight[k].out[3] for k in waiting]
+            results = [live.inflight[k].out.result for k in waiting]
             done_ids = {id(f) for f in self.graph.first_done(results)}
-            arrived += [k for k in waiting if id(live.inflight[k].out[3]) in done_ids]
+            arrived += [k for k in waiting if id(live.inflight[k].out.result) in done_ids]
 
     def _apply(self, live: AsyncLive, k: int) -> tuple[AsyncLive, object, dict]:
         """Apply replica k's update to the server as the next one; k starts its next slot from

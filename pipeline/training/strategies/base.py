@@ -9,12 +9,15 @@ fresh one with a fresh key token), so they import no dask.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
-from pipeline.outputs.checkpoint import HostState
-from pipeline.core.errors import UsageError
-from pipeline.core.schedule import Round, continue_plan, learning_rate, steps_per_epoch
+from pipeline.core.state import HostState
+from pipeline.core.schedule import Round, learning_rate
+from pipeline.training.strategies.policy import Policy
 from pipeline.training.tasks import EvalSpec, StepSpec
+
+if TYPE_CHECKING:
+    from pipeline.training.graph import RoundGraph, Trained
 
 
 class Context(NamedTuple):
@@ -67,7 +70,7 @@ class Live(NamedTuple):
     strategy's own extra state (ipm: the outer momentum)."""
     params: list
     opts: list
-    outer: object = None
+    outer: Any = None  # the strategy's own (ipm: a future of the outer momentum, or None)
 
 
 class Submitted(NamedTuple):
@@ -77,62 +80,15 @@ class Submitted(NamedTuple):
     records: tuple = ()  # host records of the round the strategy logs once it is collected
 
 
-class Strategy:
-    """Base class: K replicas of local steps, what they share after a round set by ``mix``."""
+class Strategy(Policy):
+    """Base class: K replicas of local steps, what they share after a round set by ``mix``.
+    What it asks of a config before any cluster (check, recipe, plan) is its ``Policy``
+    (``policy.py``); this class builds the rounds."""
 
-    name = ""
-    mix = "every"  # which rounds end in an average: every | last | never (schedule.plan_rounds)
-    stages = ("load", "augment", "train", "average", "evaluate")  # stage_seconds it reports
-    files = ()  # its own files in the output directory (removed by --overwrite)
-
-    def __init__(self, context: Context, graph, log=None):
+    def __init__(self, context: Context, graph: RoundGraph,
+                 log: Callable[[str], None] | None = None):
         self.ctx, self.graph, self.log = context, graph, log or (lambda message: None)
         self.K = context.replicas
-
-    # ---- the plan ---------------------------------------------------------------------
-    PLAIN = {"train.lr_scaling": "none", "train.warmup_epochs": 0.0, "train.beta1": 0.9,
-             "train.beta2": 0.999, "train.adam_eps": 1e-8, "average.outer_lr": 1.0,
-             "average.outer_warmup_epochs": 0.0, "average.optimizer_state": "keep",
-             "average.adaptive_outer": False}
-
-    @classmethod
-    def recipe(cls, config) -> dict:
-        """Values for the fields left at auto/None when ``train.recipe`` is on (none here)."""
-        return {}
-
-    @classmethod
-    def resolve(cls, config):
-        """``config`` with every auto/None field filled: from ``recipe`` when ``train.recipe``
-        is on, else (and for fields the recipe leaves open) with the plain values."""
-        chosen = {**cls.PLAIN, **(cls.recipe(config) if config.train.recipe else {})}
-        open_fields = {}
-        for name, value in chosen.items():
-            section, field = name.split(".")
-            if getattr(getattr(config, section), field) in (None, "auto"):
-                open_fields[name] = value
-        return config.replace(**open_fields) if open_fields else config
-
-    @classmethod
-    def check(cls, config) -> None:
-        """UsageError for settings this strategy cannot run (beyond config.validate)."""
-        if config.train.replicas < 1:
-            raise UsageError("train.replicas must be >= 1")
-
-    @classmethod
-    def period_of(cls, config, per_epoch: int) -> int:
-        """Local steps per round."""
-        return config.average.period(per_epoch)
-
-    @classmethod
-    def plan(cls, config, n_train: int, done: list = ()) -> tuple[list[Round], int, int]:
-        """(rounds, steps per epoch, local steps per round) of ``config``, after the ``done``
-        rounds of a resumed run (``schedule.continue_plan``)."""
-        t = config.train
-        per_epoch = steps_per_epoch(n_train, t.replicas, t.batch_size)
-        period = cls.period_of(config, per_epoch)
-        rounds = continue_plan(list(done), n_train, t.replicas, t.batch_size, t.epochs, period,
-                               cls.mix)
-        return rounds, per_epoch, period
 
     def period(self) -> int:
         return self.period_of(self.ctx.config, self.ctx.per_epoch)
@@ -192,8 +148,9 @@ class Strategy:
         return dict(state.params[0])
 
     # ---- a round ------------------------------------------------------------------------
-    def train_replicas(self, rnd: Round, params: list, opts: list, shard, mode="steps") -> list:
-        """The K train- tasks of a round: futures ``(params, opt, metrics)`` per replica."""
+    def train_replicas(self, rnd: Round, params: list, opts: list, shard,
+                       mode="steps") -> list[Trained]:
+        """The K train- tasks of a round: the futures of each replica's (``Trained``)."""
         return [self.graph.submit_train(rnd, k, params[k], opts[k], shard(rnd.index, k),
                                         self.ctx.spec(rnd, k, mode)) for k in range(self.K)]
 
@@ -210,12 +167,6 @@ class Strategy:
         """Futures of ``model``'s weights, one per replica where the strategy keeps a copy next
         to each (the evaluation reads the one on its worker), else the one future."""
         return [self.model(rnd, live)]
-
-    @classmethod
-    def average_payload(cls, config, param_bytes: int) -> int:
-        """Bytes per replica that one of its averages adds up (0: it never averages), which
-        ``--average auto`` weighs to pick an algorithm."""
-        return param_bytes if config.train.replicas > 1 else 0
 
     def bytes_averaged(self, rnd: Round) -> int:
         """Bytes of replica state that entered the round's average (0 when none)."""

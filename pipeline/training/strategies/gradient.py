@@ -30,12 +30,12 @@ class Gradient(Strategy):
         g = self.graph
         outs = self.train_replicas(rnd, [live.params[0]] * self.K, [None] * self.K, shard,
                                    mode="gradient")
-        mean = g.mean(rnd.index, [o[0] for o in outs])
+        mean = g.mean(rnd.index, [o.params for o in outs])
         params, opt = g.submit(tasks.update, live.params[0], live.opts[0], mean,
                                self.ctx.spec(rnd, 0), stage="update", coords=(rnd.index,),
                                fields=("params", "opt"), train=True, pin=0)
         return Submitted(Live(g.broadcast(rnd.index, params), [opt] * self.K),
-                         [o[2] for o in outs])
+                         [o.metrics for o in outs])
 
     def bytes_averaged(self, rnd):
         return self.graph.payload_bytes * self.K

@@ -115,18 +115,18 @@ class IPM(Strategy):
         g, avg = self.graph, self.ctx.config.average
         opts = [None] * self.K if self.opt_mode == "reset" else live.opts
         outs = self.train_replicas(rnd, live.params, opts, shard)
-        metrics = [o[2] for o in outs]
-        new_opts = [None] * self.K if self.opt_mode == "reset" else [o[1] for o in outs]
+        metrics = [o.metrics for o in outs]
+        new_opts = [None] * self.K if self.opt_mode == "reset" else [o.opt for o in outs]
         if self.opt_mode != "average" and self._plain():
-            params = g.allreduce(rnd.index, [o[0] for o in outs])
+            params = g.allreduce(rnd.index, [o.params for o in outs])
             return Submitted(Live(params, new_opts, None), metrics)
         if self._plain():  # the mean of params and optimizer state is the next round's start
-            return Submitted(self._unpacked(rnd, g.allreduce(rnd.index, [o[3] for o in outs],
+            return Submitted(self._unpacked(rnd, g.allreduce(rnd.index, [o.result for o in outs],
                                                              prepare=pack)), metrics)
         if self.opt_mode == "average":  # the whole train results: params and optimizer state
-            mean = g.mean(rnd.index, [o[3] for o in outs], prepare=pack)
+            mean = g.mean(rnd.index, [o.result for o in outs], prepare=pack)
         else:
-            mean = g.mean(rnd.index, [o[0] for o in outs])
+            mean = g.mean(rnd.index, [o.params for o in outs])
         params, opt, outer = g.submit(average_outer, live.params[0], mean, live.outer,
                                       self.outer_lr(rnd), avg.outer_momentum,
                                       self.opt_mode == "average",

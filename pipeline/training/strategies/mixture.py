@@ -10,10 +10,10 @@ class Mixture(Strategy):
 
     def submit_round(self, rnd, live, shard):
         outs = self.train_replicas(rnd, live.params, live.opts, shard)
-        params = [o[0] for o in outs]
+        params = [o.params for o in outs]
         if rnd.mix:
             params = self.graph.allreduce(rnd.index, params)
-        return Submitted(Live(params, [o[1] for o in outs]), [o[2] for o in outs])
+        return Submitted(Live(params, [o.opt for o in outs]), [o.metrics for o in outs])
 
     def model(self, rnd, live):
         """Mid-run, the replicas' average: what stopping here would give."""
