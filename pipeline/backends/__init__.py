@@ -97,7 +97,9 @@ class Backend(Protocol):
                     labels: np.ndarray, spec: Any, rng: np.random.Generator
                     ) -> tuple[State, State, StepStats]:
         """``len(spec.lrs)`` optimizer steps of ``spec.batch_size`` images (uint8 NCHW) each;
-        ``opt_state`` None starts a fresh optimizer. Returns new params, optimizer state, stats."""
+        ``opt_state`` None starts a fresh optimizer. Returns new params, optimizer state, stats.
+        Optimizer state is keyed ``"<param>/<slot>"`` (float, the parameter's shape) or is an
+        integer counter (``"t"``, ``"<param>/t"``): checkpoints and averages rely on it."""
 
     def gradient(self, params: State, images: np.ndarray, labels: np.ndarray, spec: Any,
                  rng: np.random.Generator) -> tuple[State, StepStats]:
@@ -119,9 +121,10 @@ class Backend(Protocol):
 
 
 def get_backend(name: str = "chainer") -> Backend:
-    """The backend registered as ``name`` (imported on first use, so pure callers stay light)."""
+    """The backend registered as ``name`` (``model.backend``; imported on first use, so pure
+    callers stay light)."""
     if name not in BACKENDS:
-        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {name!r}")
+        raise ValueError(f"model.backend must be one of {sorted(BACKENDS)}, got {name!r}")
     return importlib.import_module(BACKENDS[name]).BACKEND
 
 

@@ -254,7 +254,7 @@ def summary_line(result) -> str:
 def _run_evaluate(args) -> int:
     from pipeline.training.evaluate import evaluate_weights, load_model, run_config
     from pipeline.outputs.fs import dumps
-    model_args = "{}"
+    model_args, backend = "{}", "chainer"
     if args.run:
         if args.weights:
             raise UsageError("evaluate: give either --run OUT (with --model for a run of your "
@@ -267,7 +267,7 @@ def _run_evaluate(args) -> int:
             return 0
         args.model, args.weights = config.model.name, str(Path(args.run) / "model.npz")
         args.data = args.data or config.data.source
-        model_args = config.model.args
+        model_args, backend = config.model.args, config.model.backend
     missing = [f for f, v in (("--model", args.model), ("--weights", args.weights),
                               ("--data", args.data)) if not v]
     if missing:
@@ -276,7 +276,7 @@ def _run_evaluate(args) -> int:
     data = _evaluate_data_config(args)
     tta = bool(getattr(args, "train.tta"))
     print(dumps(evaluate_weights(args.model, args.weights, args.data, tta=tta, data=data,
-                                 model_args=model_args)))
+                                 model_args=model_args, backend=backend)))
     return 0
 
 
@@ -298,7 +298,7 @@ def _evaluate_kept(args, config) -> dict:
     n_classes = _n_classes(run, config)
     model = model_of(config, args.model, n_classes)
     return evaluate_kept(model, str(run / "model.npz"), run, n_classes,
-                         tta=bool(getattr(args, "train.tta")))
+                         tta=bool(getattr(args, "train.tta")), backend=config.model.backend)
 
 
 def _run_predict(args) -> int:

@@ -116,6 +116,9 @@ class ModelConfig:
     input_size: int = opt(0, "side of the square images the model was built at (a run records "
                           "the data's; 0: not recorded): evaluate and load_model rebuild a "
                           "model with lazily sized parameters there")
+    backend: str = opt("chainer", "the framework that builds and trains the model: a name in "
+                       "pipeline.backends.BACKENDS (a new framework is its package plus one "
+                       "line there)", flag="--backend", metavar="NAME")
     cpu_kernels: str = opt("ours", "what runs convolution, pooling and BatchNorm on CPU workers "
                            "(ours: the NumPy kernels of pipeline.backends.chainer.cpu_kernels, "
                            "faster per step: docs/benchmarks.md; chainer: "
@@ -129,5 +132,7 @@ class ModelConfig:
         check(is_json_object(self.args), "model.args", "must be a JSON object", self.args)
         check(self.init_weights is None or self.init_weights != "", "model.init_weights",
                "must be a .npz path", self.init_weights)
+        check(bool(KIND_FORM.fullmatch(self.backend)), "model.backend",
+              "must be a backend's name (pipeline.backends.BACKENDS)", self.backend)
         check(self.cpu_kernels in CPU_KERNELS, "model.cpu_kernels",
                f"must be one of {CPU_KERNELS}", self.cpu_kernels)

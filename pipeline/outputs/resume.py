@@ -108,7 +108,8 @@ def _state_bound(config_dict: dict) -> tuple | None:
     try:
         from pipeline.backends import get_backend
         model, k = config_dict["model"]["name"], int(config_dict["train"]["replicas"])
-        params = get_backend().init_params(model, int(config_dict["model"]["n_classes"]), 0)
+        params = get_backend(config_dict["model"].get("backend", "chainer")).init_params(
+            model, int(config_dict["model"]["n_classes"]), 0)
     except Exception:  # noqa: BLE001  an unknown model or field: check_same_run names it
         return None
     size = sum(v.nbytes for v in params.values())

@@ -13,7 +13,7 @@ from pipeline.core.errors import DataError, UsageError
 from pipeline.training import tasks
 
 
-def read_weights(model_name, weights: str, n_classes: int) -> dict:
+def read_weights(model_name, weights: str, n_classes: int, backend: str = "chainer") -> dict:
     """The state dict in ``weights`` (a ``model.npz``), checked against the model (a registry
     name or a resolved ``ModelRef``: ``model_of``).
 
@@ -23,10 +23,10 @@ def read_weights(model_name, weights: str, n_classes: int) -> dict:
     """
     if isinstance(model_name, str) and user_code.is_import_path(model_name):
         raise user_code.needs_model()  # a run's recorded path (predict --run): never imported
-    backend = get_backend()
-    backend.check_model(model_name)
+    framework = get_backend(backend)  # model.backend
+    framework.check_model(model_name)
     try:
-        return backend.load_weights(model_name, n_classes, weights)
+        return framework.load_weights(model_name, n_classes, weights)
     except npz.Mismatch as exc:
         raise UsageError(f"weights {weights} do not fit model {model_label(model_name)} "
                          f"({n_classes} classes): {exc.reason}") from None
@@ -40,18 +40,19 @@ def model_of(config, model, n_classes: int):
     recorded = config.model.name
     config, factory = prepare.user_model(config, model)
     user_code.paired(recorded, config.model.name)  # the run's model.args go to its own model only
-    return get_backend().resolve_model(config.model.name, config.model.args, factory,
-                                       prepare.image_size(config, None), n_classes)
+    return get_backend(config.model.backend).resolve_model(
+        config.model.name, config.model.args, factory, prepare.image_size(config, None), n_classes)
 
 
-def load_weights(model_name, weights: str, n_classes: int):
+def load_weights(model_name, weights: str, n_classes: int, backend: str = "chainer"):
     """The model (a Chainer Link) with the weights of ``weights``; see read_weights."""
-    params = read_weights(model_name, weights, n_classes)
-    return get_backend().to_model(model_name, n_classes, params)
+    params = read_weights(model_name, weights, n_classes, backend)
+    return get_backend(backend).to_model(model_name, n_classes, params)
 
 
 def evaluate_weights(model_name, weights: str, source: str, tta: bool = False,
-                     chunk: int = 1000, data=None, model_args: str = "{}") -> dict:
+                     chunk: int = 1000, data=None, model_args: str = "{}",
+                     backend: str = "chainer") -> dict:
     """``{"test_loss", "test_acc", "n"}`` of the weights on the test split of ``source`` (an
     image source's val split: ``val_loss``, ``val_acc``); ``data``: the DataConfig that says
     how to read it.
@@ -61,22 +62,22 @@ def evaluate_weights(model_name, weights: str, source: str, tta: bool = False,
     ds = load_dataset(source, data)
     if isinstance(model_name, str):
         factory = model_name if user_code.is_import_path(model_name) else None
-        model_name = get_backend().resolve_model(model_name, model_args, factory,
+        model_name = get_backend(backend).resolve_model(model_name, model_args, factory,
                                                  tuple(ds.test_images.shape[2:]), ds.n_classes)
-    params = read_weights(model_name, weights, ds.n_classes)
-    spec = tasks.EvalSpec(model_name, ds.n_classes, tta)
+    params = read_weights(model_name, weights, ds.n_classes, backend)
+    spec = tasks.EvalSpec(model_name, ds.n_classes, tta, backend=backend)
     return _evaluate(params, ds.test_images, ds.test_labels, spec, chunk, ds.splits[1])
 
 
 def evaluate_kept(model_name, weights: str, out: str | Path, n_classes: int,
-                  tta: bool = False, chunk: int = 1000) -> dict:
+                  tta: bool = False, chunk: int = 1000, backend: str = "chainer") -> dict:
     """:func:`evaluate_weights` on the evaluation split run ``out`` kept of data no source finds
     again (arrays given from Python: ``pipeline.data.kept``); ``model_name`` resolved already."""
     import dask.array as da
     from pipeline.data import kept
     images, labels = kept.read(out, n_classes)
-    params = read_weights(model_name, weights, n_classes)
-    spec = tasks.EvalSpec(model_name, n_classes, tta)
+    params = read_weights(model_name, weights, n_classes, backend)
+    spec = tasks.EvalSpec(model_name, n_classes, tta, backend=backend)
     return _evaluate(params, da.from_array(images, chunks=(chunk, -1, -1, -1)),
                      da.from_array(labels, chunks=chunk), spec, chunk)
 
@@ -144,4 +145,5 @@ def load_model(out: str | Path, model=None):
                 else "")
         raise DataError(f"{out} has no model.npz: the run has not finished{hint}")
     n_classes = _n_classes(out, config)
-    return load_weights(model_of(config, model, n_classes), str(weights), n_classes)
+    return load_weights(model_of(config, model, n_classes), str(weights), n_classes,
+                        config.model.backend)

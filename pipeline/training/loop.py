@@ -179,7 +179,7 @@ def _already_complete(config: Config, out, prep: Prepared, log) -> TrainOutput:
     history = (fs.read_metrics(path, last_round=1 << 62, rounds=len(prep.rounds))
                if path.exists() else [])
     params = {k: v for k, v in prep.state.params[0].items() if not k.startswith("opt/")}
-    model = get_backend().to_model(prep.model, prep.dataset.n_classes, params)
+    model = get_backend(config.model.backend).to_model(prep.model, prep.dataset.n_classes, params)
     return TrainOutput(history, model, params, str(out), config, status="complete")
 
 
@@ -405,7 +405,8 @@ class _Loop:
     # ---- the end ---------------------------------------------------------------------------
     def _finish(self, state: HostState, info: RunInfo) -> TrainOutput:
         params = self.setup.strategy(self.ctx, self.setup.graph).final_params(state)
-        model = get_backend().to_model(self.ctx.model_spec, self.ctx.n_classes, params)
+        model = get_backend(self.ctx.config.model.backend).to_model(self.ctx.model_spec,
+                                                                    self.ctx.n_classes, params)
         self.out.finish(params, self.history, len(self.rounds), curve_labels(info))
         path = self.out.path
         return TrainOutput(self.history, model, params, str(path) if path else None, self.config)

@@ -50,6 +50,7 @@ class Model(NamedTuple):
     side: int  # pixels of the square images the model saw
     crop: float  # share of the centred square kept (image sources: EVAL_CROP)
     cpu_kernels: str = "ours"
+    backend: str = "chainer"  # model.backend: the framework that builds it
 
 
 def predict(run_or_model, images, *, tta: bool = False, batch_size: int = 100,
@@ -68,7 +69,7 @@ def predict(run_or_model, images, *, tta: bool = False, batch_size: int = 100,
     model = load(run_or_model, model)
     pixels, names = read_images(images, model)
     spec = tasks.EvalSpec(model.name, len(model.class_names), tta, batch_size=batch_size,
-                          cpu_kernels=model.cpu_kernels)
+                          cpu_kernels=model.cpu_kernels, backend=model.backend)
     proba = tasks.predict_proba(model.params, pixels, spec)
     return Prediction(proba, list(model.class_names), names)
 
@@ -88,7 +89,7 @@ def load(run_or_model, model=None) -> Model:
     record = _data_record(Path(out)) if out else None
     link = getattr(run_or_model, "model", None)  # train's result holds its model already
     from pipeline.training.evaluate import model_of
-    if model is None and link is not None and config.model.name not in _registry():
+    if model is None and link is not None and config.model.name not in _registry(config):
         from pipeline.backends import user as user_code
         if user_code.path_of(type(link)) == config.model.name:  # train(model=TheClass): that class again
             model = type(link)
@@ -96,9 +97,9 @@ def load(run_or_model, model=None) -> Model:
     return _model(config, params, record, name)
 
 
-def _registry() -> tuple:
+def _registry(config) -> tuple:
     from pipeline.backends import get_backend
-    return tuple(get_backend().model_names())
+    return tuple(get_backend(config.model.backend).model_names())
 
 
 def _from_run(out: Path, model=None) -> Model:
@@ -111,7 +112,7 @@ def _from_run(out: Path, model=None) -> Model:
     record = _data_record(out)
     n_classes = int(record["n_classes"]) if record else _n_classes(out, config)
     name = model_of(config, model, n_classes)  # the user's model: named again, checked
-    params = read_weights(name, str(weights), n_classes)
+    params = read_weights(name, str(weights), n_classes, config.model.backend)
     return _model(config.replace(**{"model.n_classes": n_classes}), params, record, name)
 
 
@@ -144,7 +145,8 @@ def _model(config, params: dict, record: dict | None, name) -> Model:
     if record and isinstance(record.get("image_shape"), list):
         side = int(record["image_shape"][-1])
     crop = imagefolder.EVAL_CROP if image_like else 1.0
-    return Model(name, params, list(names), side, crop, config.model.cpu_kernels)
+    return Model(name, params, list(names), side, crop, config.model.cpu_kernels,
+                 config.model.backend)
 
 
 def _default_side(image_like: bool) -> int:

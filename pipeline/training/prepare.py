@@ -32,12 +32,13 @@ def normalise(config: Config) -> Config:
     config.validate()
     from pipeline.data.datasets import facts
     facts(config.data.dataset)  # a kind some reader records (DataError naming data.dataset)
-    get_backend().check_model(config.model.name)  # a name, or the form pkg.module:factory
+    backend = get_backend(config.model.backend)  # the framework, resolved once a run
+    backend.check_model(config.model.name)  # a name, or the form pkg.module:factory
     aug.get_policy(config.augment.policy)  # ValueError naming augment.policy
     strategy = strategies.get(config.train.strategy)
     strategy.check(config)
     config = strategy.resolve(config)
-    get_backend().check_optimizer(config.train)  # its name and arguments, one line
+    backend.check_optimizer(config.train)  # its name and arguments, one line
     return config
 
 
@@ -56,7 +57,8 @@ def user_model(config: Config, model) -> tuple[Config, object]:
     import path ``"pkg.module:factory"``, imported now) recorded in ``model.name``, or
     ``(config, None)`` for a registry name. A config naming an import path (a run directory's
     config.json) with no ``model`` is one line saying which model to name: never imported."""
-    backend = get_backend()  # first: its framework, patched (Chainer on NumPy 2), before theirs
+    backend = get_backend(config.model.backend)  # first: its framework, patched (Chainer on
+    #                                               NumPy 2), before the user's code
     if model is None:
         name = config.model.name
         if name not in backend.model_names() and user_code.is_import_path(name):
@@ -83,7 +85,8 @@ def resolve_model(config: Config, factory, dataset):
     data's size). Without the dataset yet (image folders, scanned on the cluster) the class
     count is left unchecked until it is known."""
     n_classes = dataset.n_classes if dataset is not None else None
-    return get_backend().resolve_model(config.model.name, config.model.args, factory,
+    return get_backend(config.model.backend).resolve_model(config.model.name, config.model.args,
+                                                           factory,
                                        image_size(config, dataset), n_classes)
 
 
@@ -204,9 +207,9 @@ def initial_params(config: Config, n_classes: int, model=None, weights: bool = T
     model = config.model.name if model is None else model
     path = config.model.init_weights
     if not weights or path is None:
-        return tasks.init_params(model, n_classes, config.seed)
+        return tasks.init_params(model, n_classes, config.seed, config.model.backend)
     try:
-        return get_backend().load_weights(model, n_classes, path)
+        return get_backend(config.model.backend).load_weights(model, n_classes, path)
     except npz.Mismatch as exc:
         raise UsageError(f"--init-weights {path} does not fit model "
                          f"{config.model.name} ({n_classes} classes): {exc.reason}") from None

@@ -171,7 +171,7 @@ def resume_command(out, config=None) -> str:
         return f"train(config, data=<the same arrays>, resume=True) in Python (out={out})"
     command = f"python -m pipeline train --resume {out}"
     name = config.model.name if config is not None else ""
-    if name and name not in get_backend().model_names():
+    if name and name not in get_backend(config.model.backend).model_names():
         command += f" --model {name}"
     return command
 

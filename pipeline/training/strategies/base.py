@@ -58,11 +58,13 @@ class Context(NamedTuple):
                         rnd.index, replica, self.device, beta1=t.beta1, beta2=t.beta2,
                         eps=t.adam_eps, cpu_kernels=self.config.model.cpu_kernels,
                         optimizer_args=t.optimizer_args, grad_clip=t.grad_clip,
-                        displacement=bool(self.config.average.adaptive_outer))
+                        displacement=bool(self.config.average.adaptive_outer),
+                        backend=self.config.model.backend)
 
     def eval_spec(self) -> EvalSpec:
         return EvalSpec(self.model_spec, self.n_classes, self.config.train.tta,
-                        self.device, cpu_kernels=self.config.model.cpu_kernels)
+                        self.device, cpu_kernels=self.config.model.cpu_kernels,
+                        backend=self.config.model.backend)
 
 
 class Live(NamedTuple):
