@@ -96,3 +96,21 @@ def test_seeded_globals_are_keyed_and_restored():
 def test_a_recorded_path_is_module_and_qualname():
     from pipeline.backends.user import path_of
     assert path_of(user_models.ZooNet) == "pipeline.backends.chainer.user_models:ZooNet"
+
+
+def _sleeps(n_classes=10):
+    import time
+    time.sleep(60)
+
+
+def test_a_factory_that_sleeps_past_the_limit_is_one_line(monkeypatch):
+    """The factory and the contract's steps run under ``CHECK_SECONDS`` on the driver."""
+    import time
+
+    from pipeline.core.errors import UsageError
+    monkeypatch.setattr(user_models, "CHECK_SECONDS", 0.5)
+    start = time.monotonic()
+    with pytest.raises(UsageError, match=r"model .*:_sleeps did not build and take one step "
+                                         r"within 0.5 s"):
+        get_backend().resolve_model("x", "{}", _sleeps, (8, 8), 3)
+    assert time.monotonic() - start < 10

@@ -7,19 +7,21 @@ Chainer's: ``"cpu"`` -> ``"@numpy"``, ``"gpu"`` -> ``"@cupy:0"`` (a GPU worker s
 from __future__ import annotations
 
 import contextlib
+import json
 
 import numpy as np
 
 import augment
 from pipeline.backends import ModelRef, State, StepStats
 from pipeline.backends.chainer import compat
-from pipeline.backends.chainer.compat import F, chainer
+from pipeline.backends.chainer.compat import F, L, chainer
 from pipeline.backends.chainer.cpu_kernels import stock as stock_kernels
 from pipeline.backends.chainer.gpu_kernels import fused_update
 from pipeline.backends.chainer.state import (build, cached_model, get_optimizer_state,
                                              get_state, load_npz, make_optimizer, param_keys,
                                              set_lr, set_optimizer_state, set_state,
                                              setup_optimizer)
+from pipeline.core.errors import UsageError, one_line
 from pipeline.core.threads import limit_blas_threads
 
 _CHAINER_DEVICE = {"cpu": "@numpy", "gpu": "@cupy:0"}
@@ -149,6 +151,16 @@ def _steps(model, optimizer, images, labels, spec, rng) -> tuple:
     return float(loss_sum), int(correct), n  # the one sync (a no-op on NumPy)
 
 
+def _dry_update(optimizer) -> None:
+    """One update of ``optimizer`` (set up with its hooks) on a 2 -> 2 Linear, on the host."""
+    link = L.Linear(2, 2, initialW=np.eye(2, dtype=np.float32))
+    setup_optimizer(optimizer, link)
+    loss = F.sum(link(np.ones((2, 2), np.float32)))
+    link.cleargrads()
+    loss.backward()
+    optimizer.update()
+
+
 class ChainerBackend:
     """``pipeline.backends.Backend`` on Chainer 7 (NumPy on CPU, CuPy on a GPU)."""
 
@@ -159,31 +171,41 @@ class ChainerBackend:
         from pipeline.backends.chainer.user_models import ZOO
         return (*MODELS, *ZOO)
 
-    def resolve_model(self, name, args, factory, size, n_classes):
+    def resolve_model(self, name, args, factory, size, n_classes, train=None):
         from pipeline.backends.chainer import user_models
         from pipeline.backends.chainer.models import MODELS
+        if factory is None and name in (*MODELS, *user_models.ZOO) and json.loads(args or "{}"):
+            raise UsageError(f"--model-args {args[:80]}: model {name} is built in and takes no "
+                             f"arguments (its class count comes from the data); --model-args "
+                             f"is for your own pkg.module:factory")
         if factory is None and name in MODELS:
             return name
         if factory is None and name not in user_models.ZOO:
             from pipeline.backends.user import needs_model
             raise needs_model()
-        return user_models.check(user_models.make_ref(name, args, factory, size), n_classes)
+        return user_models.check(user_models.make_ref(name, args, factory, size), n_classes,
+                                 train=train)
 
     def gpu_report(self) -> tuple[str | None, str]:
         reason = compat.cuda_status(check_device=True)
         return (reason, "") if reason else (None, compat.cuda_summary())
 
     def check_optimizer(self, train) -> None:
-        from pipeline.core.errors import UsageError, one_line
         try:
-            make_optimizer(train.optimizer, train.lr, train.momentum, train.weight_decay,
-                           (train.beta1, train.beta2), train.adam_eps, train.optimizer_args,
-                           train.grad_clip)
+            optimizer = make_optimizer(train.optimizer, train.lr, train.momentum,
+                                       train.weight_decay, (train.beta1, train.beta2),
+                                       train.adam_eps, train.optimizer_args, train.grad_clip)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         except TypeError as exc:
             raise UsageError(f"train.optimizer_args do not fit {train.optimizer}: "
                              f"{one_line(exc, kind=False, limit=200)}") from None
+        try:  # an argument of the wrong type ({"momentum": "0.9"}) fails only in an update
+            _dry_update(optimizer)
+        except Exception as exc:  # noqa: BLE001  whatever the framework raises: one line
+            raise UsageError(f"train.optimizer_args {train.optimizer_args} do not fit "
+                             f"{train.optimizer}: one update of a small Linear raised "
+                             f"{one_line(exc, limit=200)}") from None
 
     def check_model(self, model):
         from pipeline.backends.chainer.user_models import ZOO
