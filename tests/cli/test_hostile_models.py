@@ -136,3 +136,11 @@ def test_refused_before_a_cluster_starts(code, args, needles):
     _refused(proc, *needles)
     assert "started local cluster" not in proc.stderr
     assert not (code / "run").exists()
+
+
+def test_an_error_in_round_2_on_a_worker_names_model_stage_and_round(code):
+    proc = _train(code, "--model", "hostile:Round2", *ON_A_WORKER,
+                  env={"HOSTILE_COUNT": str(code / "count")})
+    _refused(proc, "model hostile:Round2 failed in its forward in round 2 (replica 0) on a "
+                   "worker: ValueError: broke at step 3", before=None)
+    assert "Traceback" not in proc.stderr and "Compute Failed" not in proc.stderr

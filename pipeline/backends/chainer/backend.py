@@ -95,7 +95,31 @@ def _mode(train: bool, kernels: str = "ours"):
 def _model(spec, params: State):
     # a model built from Chainer's stock links and functions runs our CPU kernels too
     stock_kernels.install()
-    return set_state(cached_model(spec.model, spec.n_classes, chainer_device(spec.device)), params)
+    with _user_code(spec, "factory"):
+        link = cached_model(spec.model, spec.n_classes, chainer_device(spec.device))
+    return set_state(link, params)
+
+
+@contextlib.contextmanager
+def _user_code(spec, stage: str):
+    """An error the user's model raises in a task (``stage``: factory, forward, backward,
+    update) becomes one line naming the model, the stage and the round: ``UsageError``, so the
+    worker does not log it and the driver ends the run with it (exit 2 in the CLI). A
+    MemoryError keeps its own line (``tasks._memory_named``); our registry's models are ours:
+    their errors keep their tracebacks."""
+    if not isinstance(spec.model, ModelRef):
+        yield
+        return
+    try:
+        yield
+    except MemoryError:
+        raise
+    except (Exception, SystemExit) as exc:  # SystemExit: sys.exit() in the user's forward
+        text = str(exc) if isinstance(exc, UsageError) else one_line(exc, limit=200)
+        where = (f"in round {spec.round} (replica {spec.replica})" if hasattr(spec, "round")
+                 else "in an evaluate task")
+        raise UsageError(f"model {spec.model.path} failed in its {stage} {where} on a worker: "
+                         f"{text}") from None
 
 
 def _forward(model, x, spec, rng):
@@ -135,12 +159,15 @@ def _steps(model, optimizer, images, labels, spec, rng) -> tuple:
     for step, lr in enumerate(spec.lrs):
         lo = step * spec.batch_size
         x, t = _inputs(images[lo:lo + spec.batch_size], labels[lo:lo + spec.batch_size], spec)
-        logits = _forward(model, x, spec, rng)
-        loss = F.softmax_cross_entropy(logits, t)
+        with _user_code(spec, "forward"):
+            logits = _forward(model, x, spec, rng)
+            loss = F.softmax_cross_entropy(logits, t)
         model.cleargrads()
-        loss.backward()
+        with _user_code(spec, "backward"):
+            loss.backward()
         set_lr(optimizer, lr)
-        fused_update.update(optimizer)  # one kernel on CuPy, Chainer's update otherwise
+        with _user_code(spec, "update"):
+            fused_update.update(optimizer)  # one kernel on CuPy, Chainer's update otherwise
         batch_loss = loss.array.astype(np.float64) * len(t)
         batch_correct = (logits.array.argmax(axis=1) == t).sum()
         loss_sum = batch_loss if loss_sum is None else loss_sum + batch_loss
@@ -243,10 +270,12 @@ class ChainerBackend:
             model = _model(spec, params)
             x, t = _inputs(images, labels, spec)
             with _seeded(spec):
-                logits = _forward(model, x, spec, rng)
-                loss = F.softmax_cross_entropy(logits, t)
+                with _user_code(spec, "forward"):
+                    logits = _forward(model, x, spec, rng)
+                    loss = F.softmax_cross_entropy(logits, t)
                 model.cleargrads()
-                loss.backward()
+                with _user_code(spec, "backward"):
+                    loss.backward()
             xp = chainer.backend.get_array_module(loss.array)
             tally = xp.stack([loss.array.astype(np.float64) * len(t),
                               (logits.array.argmax(axis=1) == t).sum().astype(np.float64)])
@@ -265,7 +294,8 @@ class ChainerBackend:
         trainable = set(param_keys(model))
         for path, param in model.namedparams():  # a copy: weight decay adds into the grad
             param.grad = _to_device(np.array(gradient[path.lstrip("/")]), spec.device)
-        fused_update.update(optimizer)
+        with _user_code(spec, "update"):
+            fused_update.update(optimizer)
         new_params = get_state(model)
         for key, value in gradient.items():  # BatchNorm statistics: the gradient's
             if key not in trainable and np.issubdtype(value.dtype, np.floating):
