@@ -144,3 +144,12 @@ def test_an_error_in_round_2_on_a_worker_names_model_stage_and_round(code):
     _refused(proc, "model hostile:Round2 failed in its forward in round 2 (replica 0) on a "
                    "worker: ValueError: broke at step 3", before=None)
     assert "Traceback" not in proc.stderr and "Compute Failed" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_model_that_kills_its_worker_is_named_after_one_replay(code):
+    proc = _train(code, "--model", "hostile:Kills", *ON_A_WORKER)
+    line = _refused(proc, "worker died inside model hostile:Kills's train task, round 0, and "
+                          "again when it was replayed", before=None)
+    assert "Cancelled" not in line and "forgotten" not in line, line
+    assert proc.stderr.count("replaying") == 1, proc.stderr  # one replay, not four
