@@ -159,3 +159,27 @@ def test_a_backward_that_raises_is_named_by_the_contract_and_in_a_task():
                                          r"\(replica 1\) on a worker: RuntimeError: no gradient"):
         backend.train_steps(params, None, images, np.zeros(4, np.int32), spec,
                             rng_for(0, "dropout", 5, 1))
+
+
+def test_the_time_limit_gives_an_outer_timer_back(monkeypatch):
+    """pytest-timeout (or a caller) arms SIGALRM too: its deadline and handler survive."""
+    import signal
+    import time
+
+    from pipeline.core.errors import UsageError
+    calls = []
+    previous = signal.signal(signal.SIGALRM, lambda *a: calls.append(time.monotonic()))
+    outer = signal.getitimer(signal.ITIMER_REAL)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.5)
+        start = time.monotonic()
+        with pytest.raises(UsageError, match="within 0.3 s"):
+            with user_models.timed("p", 0.3):
+                time.sleep(5)
+        assert 0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 1.3
+        while not calls and time.monotonic() - start < 5:
+            time.sleep(0.05)
+        assert calls and 1.3 < calls[0] - start < 2.5
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+        signal.setitimer(signal.ITIMER_REAL, *outer)

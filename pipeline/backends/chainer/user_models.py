@@ -282,18 +282,25 @@ def timed(path: str, seconds: float | None = None):
     """UsageError, in one line, when the block (the factory and the contract's steps) runs past
     ``seconds`` (default ``CHECK_SECONDS``). An interval timer (SIGALRM), so only in the main
     thread of the driver (the CLI, a notebook); elsewhere the block runs unbounded. Code that
-    never returns to the interpreter (a C loop holding the GIL) is not interrupted."""
+    never returns to the interpreter (a C loop holding the GIL) is not interrupted. A timer
+    already running (pytest-timeout's, the caller's own) keeps its deadline and its handler."""
     import signal
+    import time
     seconds = CHECK_SECONDS if seconds is None else seconds
     if threading.current_thread() is not threading.main_thread() or not seconds:
         yield
         return
+    outer, interval = signal.getitimer(signal.ITIMER_REAL)
+    start, fired = time.monotonic(), []
 
     def alarm(signum, frame):
+        if outer and time.monotonic() - start >= outer - 1e-3 and callable(previous):
+            fired.append(True)  # the outer timer's deadline, not ours
+            return previous(signum, frame)
         raise _TimeUp()
 
     previous = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, min(seconds, outer) if outer else seconds)
     try:
         yield
     except _TimeUp:
@@ -303,6 +310,9 @@ def timed(path: str, seconds: float | None = None):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if outer and not fired:
+            left = outer - (time.monotonic() - start)
+            signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3), interval)
 
 
 # ---- the global RNGs ------------------------------------------------------------------------
