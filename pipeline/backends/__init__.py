@@ -64,12 +64,13 @@ class Backend(Protocol):
         """The models the backend builds by name (its registry)."""
 
     def resolve_model(self, name: str, args: str, factory: Any, size: tuple,
-                      n_classes: int) -> "str | ModelRef":
+                      n_classes: int, train: Any = None) -> "str | ModelRef":
         """The model a run trains: a registry name as it is, else a ``ModelRef`` for ``factory``
         (a callable, or an import path ``"pkg.module:factory"`` the user named: imported here)
         or for one of the framework's own architectures, checked by one dry forward of a tiny
-        batch at ``size``; UsageError (one line) naming what failed. ``name`` from a config
-        file alone is never imported."""
+        batch at ``size`` and, with ``train`` (the config's train section), one training step
+        with its optimizer; UsageError (one line) naming what failed, also for ``args`` given
+        to a built-in model. ``name`` from a config file alone is never imported."""
 
     def gpu_report(self) -> tuple[str | None, str]:
         """On a worker: (None, one line on the framework's CUDA stack), or (why it cannot use

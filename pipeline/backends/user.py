@@ -63,7 +63,10 @@ def import_factory(path: str):
     module_name, attr = path.split(":")
     try:
         obj = importlib.import_module(module_name)
-    except Exception as exc:  # the user's module: any error is theirs to see, in one line
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # the user's module: any error is theirs to see, in one line
+        # (a SystemExit too: sys.exit() at import ended the CLI with exit 0 and no word)
         raise UsageError(f"--model {path}: cannot import {module_name} "
                          f"({one_line(exc, limit=200)})") from None
     for part in attr.split("."):

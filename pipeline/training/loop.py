@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from pipeline.backends import get_backend
+from pipeline.backends import ModelRef, get_backend
 from pipeline.core.config import Config
 from pipeline.core.errors import ClusterError, DivergenceError, Interrupted
 from pipeline.core.text import printable
@@ -343,7 +343,7 @@ class _Loop:
     # ---- recovery --------------------------------------------------------------------------
     def _recovering(self, stream, quiet) -> HostState:
         """Attempts from the newest anchor until the run is done: a replay after lost work."""
-        retries, anchor, replay = 0, self.anchor, False
+        retries, anchor, replay, lost_at = 0, self.anchor, False, None
         while True:
             graph = self.setup.graph.for_attempt()  # a fresh key token
             attempt = Attempt(graph, self.setup.strategy(self.ctx, graph, self.log), anchor,
@@ -355,8 +355,10 @@ class _Loop:
                 raise
             except Exception as exc:
                 anchor, replay = attempt.anchor, True
-                retries = 0 if anchor is not attempt.start else retries  # failures in a row
-                decision = self._decide(exc, anchor, retries)
+                if anchor is not attempt.start:  # failures in a row
+                    retries, lost_at = 0, None
+                now = recovery.roster(self.client)
+                decision = self._decide(exc, anchor, retries, lost_at, now)
                 if isinstance(decision, recovery.GiveUp):
                     self._forget(attempt, exc if decision.error is not exc else None)
                     if decision.error is exc:
@@ -364,8 +366,7 @@ class _Loop:
                     quiet.keep = self.client.status != "running"  # its close logs the loss
                     raise decision.error from exc
                 retries = decision.retries
-                lost_in = self._collecting(anchor)
-                now = recovery.roster(self.client)
+                lost_in = lost_at = self._collecting(anchor)
                 self.log(recovery.replay_line(exc, self.workers, now, lost_in, anchor.round))
                 self.workers = now or self.workers
                 self.replayed += max(1, lost_in - anchor.round)
@@ -375,12 +376,16 @@ class _Loop:
                                        replay_from=anchor.round + 1, hint=self._hint(anchor))
                 self.setup.graph.ensure_data(self.log)
 
-    def _decide(self, exc: Exception, anchor: HostState, retries: int):
+    def _decide(self, exc: Exception, anchor: HostState, retries: int, lost_at, now: dict):
+        model = self.ctx.model_spec  # a worker gone while the user's code ran: theirs to blame
+        gone = any(recovery.worker_changes(self.workers, now))
         return recovery.decide(
             exc, recovery.ClusterState(self._alive()), retries, where=self._hint(anchor),
             stopped_in=self._collecting(anchor),
             scheduler=getattr(self.client.scheduler, "address", None) or "?",
-            out_given=bool(self.out))
+            out_given=bool(self.out), lost_before=lost_at,
+            suspect=f"model {model.path}'s train task" if gone and isinstance(model, ModelRef)
+            else None)
 
     def _alive(self) -> bool:
         """The scheduler answers within ``cluster.connect_timeout`` (at least 5 s)."""

@@ -82,12 +82,12 @@ def image_size(config: Config, dataset) -> tuple:
 
 def resolve_model(config: Config, factory, dataset):
     """What the tasks build (a registry name, or a ``ModelRef`` checked by a dry forward at the
-    data's size). Without the dataset yet (image folders, scanned on the cluster) the class
-    count is left unchecked until it is known."""
+    data's size and one training step with the run's optimizer). Without the dataset yet (image
+    folders, scanned on the cluster) the class count is left unchecked until it is known."""
     n_classes = dataset.n_classes if dataset is not None else None
-    return get_backend(config.model.backend).resolve_model(config.model.name, config.model.args,
-                                                           factory,
-                                       image_size(config, dataset), n_classes)
+    return get_backend(config.model.backend).resolve_model(
+        config.model.name, config.model.args, factory, image_size(config, dataset), n_classes,
+        train=config.train)
 
 
 # ---- before a cluster starts -----------------------------------------------------------------

@@ -15,7 +15,7 @@ import logging
 import time
 from typing import NamedTuple
 
-from pipeline.core.errors import ClusterError, one_line
+from pipeline.core.errors import ClusterError, UsageError, one_line
 
 MAX_RETRIES = 3  # consecutive recoveries from lost work before the run gives up
 
@@ -51,12 +51,17 @@ def lost_work_types() -> tuple:
 
 def decide(exc: BaseException, cluster: ClusterState, retries: int, *, where: str,
            stopped_in: int, scheduler: str = "?", out_given: bool = True,
-           max_retries: int = MAX_RETRIES, kinds: tuple | None = None) -> Replay | GiveUp:
+           max_retries: int = MAX_RETRIES, kinds: tuple | None = None,
+           suspect: str | None = None, lost_before: int | None = None) -> Replay | GiveUp:
     """Replay after lost work while the scheduler lives and fewer than ``max_retries`` replays
     failed in a row (``retries``: the failures before this one); otherwise give up.
 
     ``where``: the resume hint for the final message; ``stopped_in``: the round the driver was
-    waiting for. A lost scheduler is never recoverable: it held every key.
+    waiting for. A lost scheduler is never recoverable: it held every key. ``suspect``: the
+    user's code that ran when a worker died ("model nets:Net's train task"; None: a worker
+    left no one's code to blame, or the model is ours); ``lost_before``: the round the last
+    failure in a row lost work in. A worker lost again in the same round after one replay is
+    said as a death inside that code (a UsageError: replaying it again would die again).
 
     >>> from pipeline.core.errors import ClusterError
     >>> kinds = (OSError,)
@@ -67,6 +72,9 @@ def decide(exc: BaseException, cluster: ClusterState, retries: int, *, where: st
     lost the scheduler tcp://h:1 while waiting for round 3; no --out (and --scheduler ADDR for a new scheduler)
     >>> e = KeyError("bug"); decide(e, ClusterState(True), 0, where="", stopped_in=0, kinds=kinds).error is e
     True
+    >>> print(decide(OSError("x"), ClusterState(True), 1, where="", stopped_in=2, kinds=kinds,
+    ...              suspect="model nets:Net's train task", lost_before=2).error)
+    worker died inside model nets:Net's train task, round 2, and again when it was replayed (its own code ended the worker's process: os._exit, a crash in native code, or the memory it took?)
     """
     kinds = kinds if kinds is not None else lost_work_types()
     if not isinstance(exc, kinds):
@@ -75,6 +83,11 @@ def decide(exc: BaseException, cluster: ClusterState, retries: int, *, where: st
         hint = " (and --scheduler ADDR for a new scheduler)" if out_given else ""
         return GiveUp(ClusterError(f"lost the scheduler {scheduler} while waiting for round "
                                    f"{stopped_in}{where}{hint}"))
+    if suspect is not None and lost_before == stopped_in:
+        return GiveUp(UsageError(f"worker died inside {suspect}, round {stopped_in}, and again "
+                                 f"when it was replayed (its own code ended the worker's "
+                                 f"process: os._exit, a crash in native code, or the memory it "
+                                 f"took?){where}"))
     retries += 1
     if retries > max_retries:
         return GiveUp(ClusterError(f"gave up after losing work {retries} times in a row, last "

@@ -96,3 +96,90 @@ def test_seeded_globals_are_keyed_and_restored():
 def test_a_recorded_path_is_module_and_qualname():
     from pipeline.backends.user import path_of
     assert path_of(user_models.ZooNet) == "pipeline.backends.chainer.user_models:ZooNet"
+
+
+def _sleeps(n_classes=10):
+    import time
+    time.sleep(60)
+
+
+def test_a_factory_that_sleeps_past_the_limit_is_one_line(monkeypatch):
+    """The factory and the contract's steps run under ``CHECK_SECONDS`` on the driver."""
+    import time
+
+    from pipeline.core.errors import UsageError
+    monkeypatch.setattr(user_models, "CHECK_SECONDS", 0.5)
+    start = time.monotonic()
+    with pytest.raises(UsageError, match=r"model .*:_sleeps did not build and take one step "
+                                         r"within 0.5 s"):
+        get_backend().resolve_model("x", "{}", _sleeps, (8, 8), 3)
+    assert time.monotonic() - start < 10
+
+
+def _broken_backward(n_classes=10):
+    from pipeline.backends.chainer.compat import L, chainer
+
+    class NoGradient(chainer.FunctionNode):
+        def forward(self, inputs):
+            return inputs
+
+        def backward(self, indexes, grads):
+            raise RuntimeError("no gradient here")
+
+    class Net(chainer.Chain):
+        def __init__(self, n_classes=10):
+            super().__init__()
+            with self.init_scope():
+                self.fc = L.Linear(None, n_classes)
+
+        def forward(self, x):
+            return NoGradient().apply((self.fc(x),))[0]
+
+    return Net(n_classes)
+
+
+def test_a_backward_that_raises_is_named_by_the_contract_and_in_a_task():
+    """With the run's train section the contract takes one step (its backward fails there);
+    without it, a task's step says the model, the stage and the round."""
+    from pipeline.core.config import Config
+    from pipeline.core.errors import UsageError
+    from pipeline.core.rng import rng_for
+    from pipeline.training.tasks import StepSpec
+    backend = get_backend()
+    with pytest.raises(UsageError, match=r"_broken_backward failed in its backward on a "
+                                         r"\(4, 3, 8, 8\) float32 batch: RuntimeError: no "
+                                         r"gradient here"):
+        backend.resolve_model("x", "{}", _broken_backward, (8, 8), 3,
+                              train=Config().replace(**{"train.batch_size": 4}).train)
+    ref = backend.resolve_model("x", "{}", _broken_backward, (8, 8), 3)
+    params = backend.init_params(ref, 3, seed=0)
+    spec = StepSpec(ref, 3, "sgd", 0.0, 0.0, (0.1,), 4, "steps", 0, 5, 1)
+    images = np.zeros((4, 3, 8, 8), np.uint8)
+    with pytest.raises(UsageError, match=r"_broken_backward failed in its backward in round 5 "
+                                         r"\(replica 1\) on a worker: RuntimeError: no gradient"):
+        backend.train_steps(params, None, images, np.zeros(4, np.int32), spec,
+                            rng_for(0, "dropout", 5, 1))
+
+
+def test_the_time_limit_gives_an_outer_timer_back(monkeypatch):
+    """pytest-timeout (or a caller) arms SIGALRM too: its deadline and handler survive."""
+    import signal
+    import time
+
+    from pipeline.core.errors import UsageError
+    calls = []
+    previous = signal.signal(signal.SIGALRM, lambda *a: calls.append(time.monotonic()))
+    outer = signal.getitimer(signal.ITIMER_REAL)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.5)
+        start = time.monotonic()
+        with pytest.raises(UsageError, match="within 0.3 s"):
+            with user_models.timed("p", 0.3):
+                time.sleep(5)
+        assert 0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 1.3
+        while not calls and time.monotonic() - start < 5:
+            time.sleep(0.05)
+        assert calls and 1.3 < calls[0] - start < 2.5
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+        signal.setitimer(signal.ITIMER_REAL, *outer)

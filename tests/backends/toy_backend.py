@@ -55,7 +55,7 @@ class ToyBackend:
             raise ValueError(f"model.name must be one of {MODELS}, got {model!r}")
         return model
 
-    def resolve_model(self, name, args, factory, size, n_classes):
+    def resolve_model(self, name, args, factory, size, n_classes, train=None):
         if factory is not None:
             raise UsageError("the toy backend builds no user models")
         return self.check_model(name)

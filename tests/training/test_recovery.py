@@ -69,3 +69,23 @@ def test_scheduler_alive_waits_for_a_reconnecting_client():
     assert client.pings == 1
     client.status = "closed"
     assert not recovery.scheduler_alive(client, timeout=5.0)
+
+
+def test_a_worker_lost_twice_in_one_round_blames_the_users_model_only():
+    """Lost work in the same round after one replay, with the user's model running: the
+    model's own death (UsageError, exit 2); another round, or no one's code to blame (our
+    model, no worker gone): replayed as before."""
+    from pipeline.core.errors import UsageError
+    alive, kinds = recovery.ClusterState(True), (OSError,)
+    suspect = "model nets:Net's train task"
+    first = recovery.decide(OSError(), alive, 0, where="", stopped_in=4, kinds=kinds,
+                            suspect=suspect, lost_before=None)
+    assert first == recovery.Replay(1)
+    again = recovery.decide(OSError(), alive, 1, where="; hint", stopped_in=4, kinds=kinds,
+                            suspect=suspect, lost_before=4)
+    assert isinstance(again.error, UsageError)
+    assert str(again.error).startswith("worker died inside model nets:Net's train task, "
+                                       "round 4") and str(again.error).endswith("; hint")
+    for suspect_, before in ((suspect, 3), (None, 4)):
+        assert recovery.decide(OSError(), alive, 1, where="", stopped_in=4, kinds=kinds,
+                               suspect=suspect_, lost_before=before) == recovery.Replay(2)

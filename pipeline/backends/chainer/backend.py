@@ -7,19 +7,21 @@ Chainer's: ``"cpu"`` -> ``"@numpy"``, ``"gpu"`` -> ``"@cupy:0"`` (a GPU worker s
 from __future__ import annotations
 
 import contextlib
+import json
 
 import numpy as np
 
 import augment
 from pipeline.backends import ModelRef, State, StepStats
 from pipeline.backends.chainer import compat
-from pipeline.backends.chainer.compat import F, chainer
+from pipeline.backends.chainer.compat import F, L, chainer
 from pipeline.backends.chainer.cpu_kernels import stock as stock_kernels
 from pipeline.backends.chainer.gpu_kernels import fused_update
 from pipeline.backends.chainer.state import (build, cached_model, get_optimizer_state,
                                              get_state, load_npz, make_optimizer, param_keys,
                                              set_lr, set_optimizer_state, set_state,
                                              setup_optimizer)
+from pipeline.core.errors import UsageError, one_line
 from pipeline.core.threads import limit_blas_threads
 
 _CHAINER_DEVICE = {"cpu": "@numpy", "gpu": "@cupy:0"}
@@ -93,7 +95,31 @@ def _mode(train: bool, kernels: str = "ours"):
 def _model(spec, params: State):
     # a model built from Chainer's stock links and functions runs our CPU kernels too
     stock_kernels.install()
-    return set_state(cached_model(spec.model, spec.n_classes, chainer_device(spec.device)), params)
+    with _user_code(spec, "factory"):
+        link = cached_model(spec.model, spec.n_classes, chainer_device(spec.device))
+    return set_state(link, params)
+
+
+@contextlib.contextmanager
+def _user_code(spec, stage: str):
+    """An error the user's model raises in a task (``stage``: factory, forward, backward,
+    update) becomes one line naming the model, the stage and the round: ``UsageError``, so the
+    worker does not log it and the driver ends the run with it (exit 2 in the CLI). A
+    MemoryError keeps its own line (``tasks._memory_named``); our registry's models are ours:
+    their errors keep their tracebacks."""
+    if not isinstance(spec.model, ModelRef):
+        yield
+        return
+    try:
+        yield
+    except MemoryError:
+        raise
+    except (Exception, SystemExit) as exc:  # SystemExit: sys.exit() in the user's forward
+        text = str(exc) if isinstance(exc, UsageError) else one_line(exc, limit=200)
+        where = (f"in round {spec.round} (replica {spec.replica})" if hasattr(spec, "round")
+                 else "in an evaluate task")
+        raise UsageError(f"model {spec.model.path} failed in its {stage} {where} on a worker: "
+                         f"{text}") from None
 
 
 def _forward(model, x, spec, rng):
@@ -133,12 +159,15 @@ def _steps(model, optimizer, images, labels, spec, rng) -> tuple:
     for step, lr in enumerate(spec.lrs):
         lo = step * spec.batch_size
         x, t = _inputs(images[lo:lo + spec.batch_size], labels[lo:lo + spec.batch_size], spec)
-        logits = _forward(model, x, spec, rng)
-        loss = F.softmax_cross_entropy(logits, t)
+        with _user_code(spec, "forward"):
+            logits = _forward(model, x, spec, rng)
+            loss = F.softmax_cross_entropy(logits, t)
         model.cleargrads()
-        loss.backward()
+        with _user_code(spec, "backward"):
+            loss.backward()
         set_lr(optimizer, lr)
-        fused_update.update(optimizer)  # one kernel on CuPy, Chainer's update otherwise
+        with _user_code(spec, "update"):
+            fused_update.update(optimizer)  # one kernel on CuPy, Chainer's update otherwise
         batch_loss = loss.array.astype(np.float64) * len(t)
         batch_correct = (logits.array.argmax(axis=1) == t).sum()
         loss_sum = batch_loss if loss_sum is None else loss_sum + batch_loss
@@ -147,6 +176,16 @@ def _steps(model, optimizer, images, labels, spec, rng) -> tuple:
     if n == 0:
         return 0.0, 0, 0
     return float(loss_sum), int(correct), n  # the one sync (a no-op on NumPy)
+
+
+def _dry_update(optimizer) -> None:
+    """One update of ``optimizer`` (set up with its hooks) on a 2 -> 2 Linear, on the host."""
+    link = L.Linear(2, 2, initialW=np.eye(2, dtype=np.float32))
+    setup_optimizer(optimizer, link)
+    loss = F.sum(link(np.ones((2, 2), np.float32)))
+    link.cleargrads()
+    loss.backward()
+    optimizer.update()
 
 
 class ChainerBackend:
@@ -159,31 +198,41 @@ class ChainerBackend:
         from pipeline.backends.chainer.user_models import ZOO
         return (*MODELS, *ZOO)
 
-    def resolve_model(self, name, args, factory, size, n_classes):
+    def resolve_model(self, name, args, factory, size, n_classes, train=None):
         from pipeline.backends.chainer import user_models
         from pipeline.backends.chainer.models import MODELS
+        if factory is None and name in (*MODELS, *user_models.ZOO) and json.loads(args or "{}"):
+            raise UsageError(f"--model-args {args[:80]}: model {name} is built in and takes no "
+                             f"arguments (its class count comes from the data); --model-args "
+                             f"is for your own pkg.module:factory")
         if factory is None and name in MODELS:
             return name
         if factory is None and name not in user_models.ZOO:
             from pipeline.backends.user import needs_model
             raise needs_model()
-        return user_models.check(user_models.make_ref(name, args, factory, size), n_classes)
+        return user_models.check(user_models.make_ref(name, args, factory, size), n_classes,
+                                 train=train)
 
     def gpu_report(self) -> tuple[str | None, str]:
         reason = compat.cuda_status(check_device=True)
         return (reason, "") if reason else (None, compat.cuda_summary())
 
     def check_optimizer(self, train) -> None:
-        from pipeline.core.errors import UsageError, one_line
         try:
-            make_optimizer(train.optimizer, train.lr, train.momentum, train.weight_decay,
-                           (train.beta1, train.beta2), train.adam_eps, train.optimizer_args,
-                           train.grad_clip)
+            optimizer = make_optimizer(train.optimizer, train.lr, train.momentum,
+                                       train.weight_decay, (train.beta1, train.beta2),
+                                       train.adam_eps, train.optimizer_args, train.grad_clip)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         except TypeError as exc:
             raise UsageError(f"train.optimizer_args do not fit {train.optimizer}: "
                              f"{one_line(exc, kind=False, limit=200)}") from None
+        try:  # an argument of the wrong type ({"momentum": "0.9"}) fails only in an update
+            _dry_update(optimizer)
+        except Exception as exc:  # noqa: BLE001  whatever the framework raises: one line
+            raise UsageError(f"train.optimizer_args {train.optimizer_args} do not fit "
+                             f"{train.optimizer}: one update of a small Linear raised "
+                             f"{one_line(exc, limit=200)}") from None
 
     def check_model(self, model):
         from pipeline.backends.chainer.user_models import ZOO
@@ -221,10 +270,12 @@ class ChainerBackend:
             model = _model(spec, params)
             x, t = _inputs(images, labels, spec)
             with _seeded(spec):
-                logits = _forward(model, x, spec, rng)
-                loss = F.softmax_cross_entropy(logits, t)
+                with _user_code(spec, "forward"):
+                    logits = _forward(model, x, spec, rng)
+                    loss = F.softmax_cross_entropy(logits, t)
                 model.cleargrads()
-                loss.backward()
+                with _user_code(spec, "backward"):
+                    loss.backward()
             xp = chainer.backend.get_array_module(loss.array)
             tally = xp.stack([loss.array.astype(np.float64) * len(t),
                               (logits.array.argmax(axis=1) == t).sum().astype(np.float64)])
@@ -243,7 +294,8 @@ class ChainerBackend:
         trainable = set(param_keys(model))
         for path, param in model.namedparams():  # a copy: weight decay adds into the grad
             param.grad = _to_device(np.array(gradient[path.lstrip("/")]), spec.device)
-        fused_update.update(optimizer)
+        with _user_code(spec, "update"):
+            fused_update.update(optimizer)
         new_params = get_state(model)
         for key, value in gradient.items():  # BatchNorm statistics: the gradient's
             if key not in trainable and np.issubdtype(value.dtype, np.floating):

@@ -30,6 +30,8 @@ from pipeline.core.errors import UsageError, one_line
 from pipeline.core.rng import stream_id
 
 DRY_BATCH = 2  # images in the contract's dry forward
+STEP_BATCH = 8  # at most this many images in its training step (the run's batch if smaller)
+CHECK_SECONDS = 120.0  # the factory and the contract's steps, together, on the driver
 _GLOBAL_RNG = threading.RLock()  # held while a task's steps may draw from the global RNGs
 
 
@@ -160,16 +162,22 @@ def check_factory(path: str, factory) -> None:
                          f"chainer.Link")
 
 
-def check(ref: ModelRef, n_classes: int | None, seed: int = 0) -> ModelRef:
+def check(ref: ModelRef, n_classes: int | None, seed: int = 0, train=None) -> ModelRef:
     """The contract, before a cluster starts: the factory returns a ``chainer.Link`` that maps a
     (2, 3, H, W) float32 batch at the data's size to (2, n_classes) (n_classes None: not known
-    yet, any class count); UsageError on the first thing that fails, in one line."""
+    yet, any class count); with ``train`` (the config's train section) also one step as a task
+    takes it (``_dry_step``). UsageError on the first thing that fails, in one line; the whole
+    check within ``CHECK_SECONDS`` (``timed``)."""
     fixed = ZOO.get(ref.path, (None, None, None))[2]
     if fixed and ref.size != (fixed, fixed):
         raise UsageError(f"model {ref.path} fixes its input at {fixed}x{fixed} (its classifier's "
                          f"input size); the data's images are {ref.size[0]}x{ref.size[1]} "
                          f"(--image-size {fixed} for image folders, or resnet50)")
-    build(ref, n_classes, seed)
+    with timed(ref.path):
+        link = build(ref, n_classes, seed)
+        if train is not None:
+            with seeded_globals(seed, "contract"):
+                _dry_step(ref, link, n_classes, train)
     return ref
 
 
@@ -179,12 +187,26 @@ def _call(ref: ModelRef, n_classes: int):
         kwargs.setdefault("n_classes", n_classes)
     try:
         link = ref.factory(**kwargs)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # sys.exit() in a factory ended the CLI with 0
         raise UsageError(f"model {ref.path}({', '.join(kwargs)}) raised "
                          f"{one_line(exc, limit=200)}") from None
     if not isinstance(link, chainer.Link):
         raise UsageError(f"model {ref.path} returned {type(link).__name__}, not a chainer.Link")
     return link
+
+
+def _fits(y, n: int, n_classes: int | None) -> bool:
+    shape = getattr(y, "shape", None)
+    fits = shape == (n, n_classes) or (n_classes is None and shape is not None
+                                       and len(shape) == 2 and shape[0] == n)
+    return isinstance(y, (chainer.Variable, np.ndarray)) and fits
+
+
+def _shape_error(ref: ModelRef, y, n: int, n_classes: int | None, mode: str) -> UsageError:
+    shape = getattr(y, "shape", None)
+    got = f"shape {shape}" if shape is not None else type(y).__name__
+    return UsageError(f"model {ref.path} maps ({n}, 3, {ref.size[0]}, {ref.size[1]}){mode} to "
+                      f"{got}, not ({n}, {n_classes or 'classes'}) logits")
 
 
 def _dry_forward(ref: ModelRef, link, n_classes: int) -> None:
@@ -194,16 +216,49 @@ def _dry_forward(ref: ModelRef, link, n_classes: int) -> None:
     try:
         with chainer.using_config("train", False), chainer.no_backprop_mode():
             y = link(x)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         raise UsageError(f"model {ref.path} failed on a (2, 3, {ref.size[0]}, {ref.size[1]}) "
                          f"float32 batch: {one_line(exc, limit=200)}") from None
-    shape = getattr(y, "shape", None)
-    fits = shape == (DRY_BATCH, n_classes) or (n_classes is None and shape is not None
-                                                and len(shape) == 2 and shape[0] == DRY_BATCH)
-    if not isinstance(y, (chainer.Variable, np.ndarray)) or not fits:
-        got = f"shape {shape}" if shape is not None else type(y).__name__
-        raise UsageError(f"model {ref.path} maps (2, 3, {ref.size[0]}, {ref.size[1]}) to {got}, "
-                         f"not (2, {n_classes or 'classes'}) logits")
+    if not _fits(y, DRY_BATCH, n_classes):
+        raise _shape_error(ref, y, DRY_BATCH, n_classes, "")
+
+
+def _dry_step(ref: ModelRef, link, n_classes: int | None, train) -> None:
+    """One training step as a task takes it: a training-mode forward of ``min(batch_size,
+    STEP_BATCH)`` random images (a model whose BatchNorm, dropout or reshape only breaks in
+    training mode, or at a real batch size), the output checked against that batch, a backward
+    of the softmax cross-entropy and one update of the configured optimizer with its
+    ``optimizer_args`` (an argument of the wrong type fails only there). On ``link``, which is
+    thrown away after."""
+    from pipeline.backends.chainer.compat import F
+    from pipeline.backends.chainer.state import make_optimizer, setup_optimizer
+    n = max(1, min(int(train.batch_size), STEP_BATCH))
+    x = np.random.default_rng(0).standard_normal((n, 3, *ref.size)).astype(np.float32)
+    with chainer.using_config("train", True):
+        y = _stage(ref, "forward in training mode", n, lambda: link(x))
+        if not _fits(y, n, n_classes):
+            raise _shape_error(ref, y, n, n_classes, " in training mode")
+        t = (np.arange(n) % y.shape[1]).astype(np.int32)
+        loss = _stage(ref, "loss", n, lambda: F.softmax_cross_entropy(y, t))
+        link.cleargrads()
+        _stage(ref, "backward", n, loss.backward)
+    try:
+        optimizer = setup_optimizer(make_optimizer(
+            train.optimizer, train.lr, train.momentum, train.weight_decay,
+            (train.beta1, train.beta2), train.adam_eps, train.optimizer_args, train.grad_clip),
+            link)
+    except (ValueError, TypeError):  # check_optimizer's one line says it, before this
+        return
+    _stage(ref, f"one {train.optimizer} update (optimizer_args {train.optimizer_args})", n,
+           optimizer.update)
+
+
+def _stage(ref: ModelRef, stage: str, n: int, fn):
+    try:
+        return fn()
+    except (Exception, SystemExit) as exc:
+        raise UsageError(f"model {ref.path} failed in its {stage} on a ({n}, 3, {ref.size[0]}, "
+                         f"{ref.size[1]}) float32 batch: {one_line(exc, limit=200)}") from None
 
 
 def build(ref: ModelRef, n_classes: int, seed: int | None = None):
@@ -214,6 +269,50 @@ def build(ref: ModelRef, n_classes: int, seed: int | None = None):
         link = _call(ref, n_classes)
         _dry_forward(ref, link, n_classes)
     return link
+
+
+# ---- a time limit on the driver --------------------------------------------------------------
+class _TimeUp(BaseException):
+    """Raised into the user's code by ``timed``'s alarm: a BaseException, so the user's own
+    ``except Exception`` does not swallow it."""
+
+
+@contextlib.contextmanager
+def timed(path: str, seconds: float | None = None):
+    """UsageError, in one line, when the block (the factory and the contract's steps) runs past
+    ``seconds`` (default ``CHECK_SECONDS``). An interval timer (SIGALRM), so only in the main
+    thread of the driver (the CLI, a notebook); elsewhere the block runs unbounded. Code that
+    never returns to the interpreter (a C loop holding the GIL) is not interrupted. A timer
+    already running (pytest-timeout's, the caller's own) keeps its deadline and its handler."""
+    import signal
+    import time
+    seconds = CHECK_SECONDS if seconds is None else seconds
+    if threading.current_thread() is not threading.main_thread() or not seconds:
+        yield
+        return
+    outer, interval = signal.getitimer(signal.ITIMER_REAL)
+    start, fired = time.monotonic(), []
+
+    def alarm(signum, frame):
+        if outer and time.monotonic() - start >= outer - 1e-3 and callable(previous):
+            fired.append(True)  # the outer timer's deadline, not ours
+            return previous(signum, frame)
+        raise _TimeUp()
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, min(seconds, outer) if outer else seconds)
+    try:
+        yield
+    except _TimeUp:
+        raise UsageError(f"model {path} did not build and take one step within {seconds:g} s "
+                         f"(the check before a cluster starts; a factory that waits or loops?)"
+                         ) from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer and not fired:
+            left = outer - (time.monotonic() - start)
+            signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3), interval)
 
 
 # ---- the global RNGs ------------------------------------------------------------------------
