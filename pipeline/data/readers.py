@@ -20,7 +20,7 @@ from pipeline.core.errors import DataError
 # file with room for these many characters (pipeline.training.predict), so whatever a run
 # writes its own predict reads back. 255: a folder name's limit on common file systems.
 MAX_NAME_CHARS = 255
-MAX_NAMES_CHARS = 1 << 20  # all class names together (ImageNet-21k's 21,841 wnids: 196,569)
+MAX_NAMES_CHARS = 1 << 22  # all class names together: 42 a class on average at MAX_CLASSES
 
 
 class Plan(NamedTuple):
