@@ -21,6 +21,8 @@ from pipeline.core.errors import DataError
 # writes its own predict reads back. 255: a folder name's limit on common file systems.
 MAX_NAME_CHARS = 255
 MAX_NAMES_CHARS = 1 << 22  # all class names together: 42 a class on average at MAX_CLASSES
+NAMES_JSON_BYTES = 6 * MAX_NAMES_CHARS + 8 * MAX_CLASSES  # their most in data.json: a
+#                    character escaped to 6 bytes (\udcXX), 8 bytes of JSON around each name
 
 
 class Plan(NamedTuple):

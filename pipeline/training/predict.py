@@ -111,17 +111,16 @@ def _from_run(out: Path, model=None) -> Model:
 
 def _data_record(out: Path) -> dict | None:
     """``OUT/data.json`` (written since runs record their data), or None. Read with room for
-    the class names any reader gives (``readers.MAX_NAMES_CHARS``, each escaped to at most 6
-    bytes, 8 bytes of JSON around each), checked as the readers check them; ``image_shape``
+    the class names any reader gives (``readers.NAMES_JSON_BYTES``), checked as the readers
+    check them; ``image_shape``
     ``[3, S, S]`` with S at most ``MAX_IMAGE_SIZE`` (S is what predict resizes every image to)."""
     from pipeline.core.config_data import MAX_CLASSES, MAX_IMAGE_SIZE
-    from pipeline.data.readers import MAX_NAMES_CHARS, check_class_names
+    from pipeline.data.readers import NAMES_JSON_BYTES, check_class_names
     from pipeline.outputs.fs import MAX_CONFIG_BYTES, read_json
     path = out / "data.json"
     if not path.is_file():
         return None
-    limit = MAX_CONFIG_BYTES + 6 * MAX_NAMES_CHARS + 8 * MAX_CLASSES
-    record = read_json(path, DataError, limit=limit)
+    record = read_json(path, DataError, limit=MAX_CONFIG_BYTES + NAMES_JSON_BYTES)
     names = record.get("class_names") if isinstance(record, dict) else None
     if not (isinstance(names, list) and all(isinstance(n, str) for n in names)
             and record.get("n_classes") == len(names) and 2 <= len(names) <= MAX_CLASSES):

@@ -244,3 +244,21 @@ def test_random_data_json_edits_give_a_model_or_one_line(run, tmp_path_factory, 
         assert "\n" not in str(err), str(err)
         return
     assert model.side == 16 and len(model.class_names) == 2
+
+
+def test_a_resume_refuses_classes_in_another_order(tmp_path, capsys, dask_client):
+    """Class index i of the checkpoint is the class data.json names i: a folder whose classes
+    now sort otherwise (numbered folders sorted as strings before) is refused, not trained on
+    the wrong labels."""
+    root = write_folder(tmp_path / "data", classes=2, per_class=8)
+    (root / "class_0").rename(root / "b")
+    (root / "class_1").rename(root / "a")
+    out = tmp_path / "out"
+    args = ["--data", str(root), *ARGS, "--scheduler", dask_client.scheduler.address]
+    assert main(["train", *args, "--out", str(out)]) == 0
+    (root / "a").rename(root / "c")  # classes b, c: index 0 is now b
+    capsys.readouterr()
+    line = assert_train_refused(capsys, "--resume", str(out), "--epochs", "1", "--scheduler",
+                                dask_client.scheduler.address, "--no-progress")
+    assert f"{out} was trained on 2 classes, class 0 named 'a'; the data now gives 2, class 0 " \
+        "named 'b'" in line, line
