@@ -37,6 +37,14 @@ def check_block(block, name: str, block_info=None):
     return block
 
 
+def labels_arrived(y, n: int, name: str) -> None:
+    """DataError unless the computed labels ``y`` (None: none given) are the ``(n,)`` integers
+    their array declared (a Dask array's blocks may hold other shapes or dtypes)."""
+    if y is not None and (y.shape != (n,) or y.dtype.kind not in "iu"):
+        raise DataError(f"{name}: its blocks hold a {y.shape} {y.dtype} array, its Dask array "
+                        f"declares ({n},) integer labels")
+
+
 def check_length(n: int, first_image, name: str, available: int) -> None:
     """DataError unless ``n`` examples shaped like ``first_image`` fit in ``available`` bytes
     (a dataset's ``len`` taken on trust would size one array of all of them).

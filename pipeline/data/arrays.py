@@ -82,6 +82,8 @@ def _checked(parts, x, kind, y, xt, yt, cfg, client) -> Plan:
     x, xt = _scaled(x, xt, client)
     wanted = [_labels(y, x, "y_train")] + ([_labels(yt, xt, "y_test")] if xt is not None else [])
     y, yt = (_compute(wanted, client) + [None])[:2]
+    checks.labels_arrived(y, x.shape[0], "y_train")
+    checks.labels_arrived(yt, xt.shape[0] if xt is not None else 0, "y_test")
     n_classes = checks.check_labels(y, yt, parts.n_classes)
     y, yt = y.astype(np.int64), (yt.astype(np.int64) if yt is not None else None)
     if xt is None:

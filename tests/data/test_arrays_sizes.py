@@ -54,6 +54,14 @@ def test_a_block_unlike_its_declared_chunk_is_refused_naming_it(shape, dtype):
         _plan((_images()[0], y, _lying(shape, dtype), y))
 
 
+def test_labels_whose_blocks_lie_are_refused():
+    x, y = _images()
+    short = da.from_delayed(dask.delayed(np.remainder)(np.arange(30), 4), (40,), dtype=np.int64)
+    with pytest.raises(DataError, match=r"y_train: its blocks hold a \(30,\) int64 array, its "
+                       r"Dask array declares \(40,\) integer labels"):
+        _plan((x, short))
+
+
 def test_honest_blocks_keep_their_bytes():
     x, y = _images()
     plan = _plan((da.from_array(x, chunks=(7, 8, 8, 3)), y))
