@@ -25,6 +25,7 @@ PURE = ["augment", "pipeline.core.config", "pipeline.core.fields", "pipeline.cor
         "pipeline.cluster", "pipeline.cluster.watchdog", "pipeline.cluster.assignments",
         "pipeline.core.arrays", "pipeline.data", "pipeline.data.readers", "pipeline.data.augment",
         "pipeline.data.imagefolder", "pipeline.data.rows", "pipeline.data.kept",
+        "pipeline.data.array_checks",
         *(f"pipeline.data.cifar.{m}" for m in ("layout", "archive", "parse", "py2pickle", "write",
                                                "synthetic", "source", "task")),
         "pipeline.averaging", "pipeline.averaging.exact", "pipeline.averaging.order",

@@ -15,6 +15,8 @@ DATASETS = ("cifar10", "cifar100")
 # readers' own list, checked there: core cannot import data); here only its form.
 KIND_FORM = re.compile(r"[a-z0-9][a-z0-9-]{0,39}")
 LABEL_KINDS = ("fine", "coarse")
+MAX_CLASSES = 100_000  # model.n_classes' bound, and every reader's and data.json's
+MAX_IMAGE_SIZE = 1024  # pixels a side: data.image_size's bound, and arrays' and data.json's
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,8 @@ class DataConfig:
     def validate(self) -> None:
         check_types(self, "data.")
         check(bool(self.source), "data.source", "must not be empty", self.source)
-        check(self.image_size is None or 16 <= self.image_size <= 1024, "data.image_size",
-               "must be in [16, 1024] pixels", self.image_size)
+        check(self.image_size is None or 16 <= self.image_size <= MAX_IMAGE_SIZE,
+               "data.image_size", f"must be in [16, {MAX_IMAGE_SIZE}] pixels", self.image_size)
         check(0 < self.val_fraction < 1, "data.val_fraction", "must be in (0, 1)",
                self.val_fraction)
         check(self.split_seed >= 0, "data.split_seed", "must be >= 0", self.split_seed)
@@ -127,7 +129,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         check_types(self, "model.")
-        in_range(self.n_classes, 2, 100_000, "model.n_classes")
+        in_range(self.n_classes, 2, MAX_CLASSES, "model.n_classes")
         in_range(self.input_size, 0, 1 << 16, "model.input_size")
         check(is_json_object(self.args), "model.args", "must be a JSON object", self.args)
         check(self.init_weights is None or self.init_weights != "", "model.init_weights",

@@ -25,13 +25,15 @@ import dask.array as da
 import numpy as np
 
 from pipeline.core import keys
-from pipeline.core.errors import DataError
-from pipeline.core.rng import rng_for
+from pipeline.core.errors import DataError, one_line
+from pipeline.data import array_checks as checks
+from pipeline.data.array_checks import fmt_bytes
 from pipeline.data.readers import Plan, Reader
 
 PREFIX = "arrays:"  # data.source of a run given data= : "arrays:<16-hex fingerprint>"
 LAYOUT = "(N, 3, H, W) or (N, H, W, 3) images (1 channel is repeated to 3)"
 BLOCK_BYTES = 64 << 20  # NumPy / Chainer data: rows per block so one block is about 64 MiB
+PIECE_BYTES = 8 << 20  # float images are scaled this many bytes of float64 at a time
 GRAPH_LIMIT = "distributed.admin.large-graph-warning-threshold"
 
 
@@ -80,18 +82,21 @@ def _checked(parts, x, kind, y, xt, yt, cfg, client) -> Plan:
     x, xt = _scaled(x, xt, client)
     wanted = [_labels(y, x, "y_train")] + ([_labels(yt, xt, "y_test")] if xt is not None else [])
     y, yt = (_compute(wanted, client) + [None])[:2]
-    n_classes = _check_labels(y, yt, parts.n_classes)
+    checks.labels_arrived(y, x.shape[0], "y_train")
+    checks.labels_arrived(yt, xt.shape[0] if xt is not None else 0, "y_test")
+    n_classes = checks.check_labels(y, yt, parts.n_classes)
+    y, yt = y.astype(np.int64), (yt.astype(np.int64) if yt is not None else None)
     if xt is None:
-        x, y, xt, yt = _held_out(x, y, cfg)
-    _check_shape(x, xt, cfg)
-    names = _names(parts.label_names, n_classes)
+        x, y, xt, yt = checks.held_out(x, y, cfg)
+    checks.check_shape(x, xt, cfg)
+    names = checks.names(parts.label_names, n_classes)
     digest = fingerprint(x, y, xt, yt, n_classes, client)
     counts = np.bincount(y, minlength=n_classes)
     info = {"kind": kind, "fingerprint": digest, "chunks": [len(x.chunks[0]), len(xt.chunks[0])],
             "class_counts": {"train": dict(zip(names, counts.tolist())),
                              "val": dict(zip(names, np.bincount(yt, minlength=n_classes)
                                              .tolist()))},
-            "bytes": {"train": _nbytes(x), "test": _nbytes(xt)}}
+            "bytes": {"train": checks.nbytes(x), "test": checks.nbytes(xt)}}
     label = lambda v, a: da.from_array(v.astype(np.int32), chunks=(a.chunks[0],))  # noqa: E731
     return Plan(tuple(Block(n) for n in x.chunks[0]), tuple(Block(n) for n in xt.chunks[0]),
                 names, tuple(int(c) for c in counts), ("arrays", digest), PREFIX + digest,
@@ -218,16 +223,26 @@ def _from_dataset(ds, name: str) -> tuple[np.ndarray, np.ndarray]:
     if not (isinstance(first, tuple) and len(first) == 2):
         raise DataError(f"{name}: a dataset of (image, label) pairs expected, its first example "
                         f"is a {type(first).__name__}")
-    shape = np.shape(first[0])
-    out = np.empty((len(ds),) + shape, np.asarray(first[0]).dtype)
-    labels = np.empty(len(ds), np.asarray(first[1]).dtype)
-    for i in range(len(ds)):
-        image, labels[i] = ds[i]
+    shape, n = np.shape(first[0]), len(ds)
+    checks.check_length(n, first[0], name, _available_memory())
+    out = np.empty((n,) + shape, np.asarray(first[0]).dtype)
+    labels = np.empty(n, np.asarray(first[1]).dtype)
+    for i in range(n):
+        try:
+            image, labels[i] = ds[i]
+        except IndexError as exc:  # a len() larger than what the dataset holds
+            raise DataError(f"{name}: example {i} cannot be read ({one_line(exc)}), though the "
+                            f"dataset's len is {n}") from None
         if np.shape(image) != shape:
             raise DataError(f"{name}: example {i} is {np.shape(image)}, example 0 {shape}: all "
                             f"images must have one size (resize them, or give a file list)")
         out[i] = image
     return out, labels
+
+
+def _available_memory() -> int:
+    import psutil  # distributed's dependency
+    return int(psutil.virtual_memory().available)
 
 
 def images(x, name: str) -> tuple[da.Array, str, np.ndarray | None]:
@@ -240,16 +255,15 @@ def images(x, name: str) -> tuple[da.Array, str, np.ndarray | None]:
     if isinstance(x, np.ndarray) or (not isinstance(x, da.Array) and hasattr(x, "__array__")):
         x = np.asarray(x)
         kind = "numpy arrays" if kind == "dask arrays" else kind
-        if x.ndim != 4:
-            raise DataError(f"{name}: shape {x.shape} is not {LAYOUT}")
+        if x.ndim != 4 or len(x) == 0:
+            raise DataError(f"{name}: shape {x.shape} is not {LAYOUT}" if x.ndim != 4 else
+                            f"data: {name} holds no image")
         rows = max(1, BLOCK_BYTES // max(1, x[0].nbytes))
         x = da.from_array(x, chunks=(rows, -1, -1, -1))
+    elif isinstance(x, da.Array):  # the blocks checked against what the array declares
+        x = _declared(x, name)
     if not isinstance(x, da.Array):
         raise DataError(f"{name}: expected a Dask or NumPy array, got {type(x).__name__}")
-    if x.ndim != 4:
-        raise DataError(f"{name}: shape {x.shape} is not {LAYOUT}")
-    if any(np.isnan(c) for c in x.chunks[0]):
-        raise DataError(f"{name}: unknown chunk sizes; call {name}.compute_chunk_sizes() first")
     if x.shape[1] not in (1, 3) and x.shape[3] in (1, 3):
         x = x.transpose(0, 3, 1, 2)
     if x.shape[1] not in (1, 3):
@@ -259,6 +273,18 @@ def images(x, name: str) -> tuple[da.Array, str, np.ndarray | None]:
     if x.dtype == bool or x.dtype.kind not in "uif":
         raise DataError(f"{name}: dtype {x.dtype} is not uint8 or float images")
     return x.rechunk({1: -1, 2: -1, 3: -1}), kind, labels
+
+
+def _declared(x: da.Array, name: str) -> da.Array:
+    """``x`` whose every block is checked, in the task that reads it, against the shape and dtype
+    ``x`` declares (``array_checks.check_block``); DataError for an array that says so itself."""
+    if x.ndim != 4:
+        raise DataError(f"{name}: shape {x.shape} is not {LAYOUT}")
+    if any(np.isnan(c) for axis in x.chunks for c in axis):
+        raise DataError(f"{name}: unknown chunk sizes; call {name}.compute_chunk_sizes() first")
+    if x.shape[0] == 0:
+        raise DataError(f"data: {name} holds no image")
+    return da.map_blocks(checks.check_block, x, name, dtype=x.dtype, meta=x._meta)
 
 
 def _scaled(x: da.Array, xt, client) -> tuple[da.Array, object]:
@@ -282,12 +308,22 @@ def _scaled(x: da.Array, xt, client) -> tuple[da.Array, object]:
 
 
 def to_uint8(block: np.ndarray, scale: float) -> np.ndarray:
-    """``block * scale`` rounded to uint8 (the per-block kernel of float images).
+    """``block * scale`` rounded to uint8 (the per-block kernel of float images), in pieces of
+    ``PIECE_BYTES`` of float64: memory past the output stays ~16 MiB whatever the block's size.
 
     >>> to_uint8(np.array([0.0, 0.5, 1.0], np.float32), 255.0).tolist()
     [0, 128, 255]
     """
-    return np.clip(np.rint(block.astype(np.float64) * scale), 0, 255).astype(np.uint8)
+    out = np.empty(np.shape(block), np.uint8)
+    if out.ndim == 0 or len(out) == 0:
+        return np.clip(np.rint(np.asarray(block, np.float64) * scale), 0, 255).astype(np.uint8)
+    rows = max(1, PIECE_BYTES // max(1, out[0].size * 8))  # a 1 GB chunk is not copied whole
+    for lo in range(0, len(out), rows):
+        piece = block[lo:lo + rows].astype(np.float64)
+        np.multiply(piece, scale, out=piece)
+        np.clip(np.rint(piece, out=piece), 0, 255, out=piece)
+        out[lo:lo + rows] = piece
+    return out
 
 
 def _labels(y, x: da.Array, name: str):
@@ -308,78 +344,6 @@ def _compute(values: list, client) -> list:
     if client is not None:
         return [np.asarray(v) for v in client.gather(client.compute(values))]
     return [np.asarray(v) for v in dask.compute(*values)]
-
-
-# --------------------------------------------------------------------------------------------
-# Checks
-
-
-def _check_labels(y: np.ndarray, yt, n_classes: int | None) -> int:
-    """The class count; DataError for a label out of range or (without ``n_classes``) a class
-    with no training image."""
-    for name, v in (("y_train", y), ("y_test", yt)):
-        if v is not None and len(v) and v.min() < 0:
-            raise DataError(f"{name}: label {int(v.min())} at row {int(np.argmin(v))} is "
-                            "negative (labels are 0..K-1)")
-    if n_classes is None:
-        n = int(y.max()) + 1 if len(y) else 0
-        empty = np.flatnonzero(np.bincount(y, minlength=n) == 0)
-        if n < 2:
-            raise DataError(f"y_train: at least 2 classes needed, found {n}")
-        if len(empty):
-            raise DataError(f"y_train: labels 0..{n - 1} with no image for class "
-                            f"{int(empty[0])} ({len(empty)} empty in all); give n_classes "
-                            "when some classes have no training image")
-        n_classes = n
-    if n_classes < 2:
-        raise DataError(f"n_classes: {n_classes}; at least 2 classes needed")
-    for name, v in (("y_train", y), ("y_test", yt)):
-        if v is not None and len(v) and v.max() >= n_classes:
-            raise DataError(f"{name}: label {int(v.max())} at row {int(np.argmax(v))} is out of "
-                            f"range (labels are 0..{n_classes - 1})")
-    return int(n_classes)
-
-
-def _check_shape(x: da.Array, xt: da.Array, cfg) -> None:
-    if x.shape[0] == 0 or xt.shape[0] == 0:
-        raise DataError(f"data: {'x_train' if x.shape[0] == 0 else 'x_test'} holds no image")
-    if xt.shape[1:] != x.shape[1:]:
-        raise DataError(f"x_test: images are {_shape(xt)}, x_train's {_shape(x)}: one image "
-                        "size for both splits")
-    if x.shape[2] != x.shape[3]:
-        raise DataError(f"x_train: images are {_shape(x)}; square images expected (H == W)")
-    if cfg.image_size not in (None, x.shape[2]):
-        raise DataError(f"data.image_size {cfg.image_size}: the arrays' images are {_shape(x)} "
-                        "(resize them, or leave image_size unset)")
-
-
-def _shape(a) -> str:
-    return "x".join(str(d) for d in a.shape[1:])
-
-
-def _names(names, n_classes: int) -> tuple:
-    if names is None:
-        return tuple(str(i) for i in range(n_classes))
-    if len(names) != n_classes:
-        raise DataError(f"label_names: {len(names)} names for {n_classes} classes")
-    return tuple(str(n) for n in names)
-
-
-def _held_out(x: da.Array, y: np.ndarray, cfg):
-    """The seeded stratified split of image folders (``data.val_fraction``, ``split_seed``)."""
-    to_val = np.zeros(len(y), bool)
-    rng = rng_for(cfg.split_seed, "split")
-    for label in range(int(y.max()) + 1):
-        members = np.flatnonzero(y == label)
-        k = int(round(cfg.val_fraction * len(members)))
-        k = min(max(k, 1 if len(members) > 1 else 0), max(len(members) - 1, 0))
-        to_val[rng.permutation(members)[:k]] = True
-    keep, val = np.flatnonzero(~to_val), np.flatnonzero(to_val)
-    return x[keep], y[keep], x[val], y[val]
-
-
-def _nbytes(a: da.Array) -> int:
-    return int(np.prod(a.shape)) * a.dtype.itemsize
 
 
 # --------------------------------------------------------------------------------------------
@@ -409,13 +373,6 @@ def fingerprint(x: da.Array, y: np.ndarray, xt: da.Array, yt: np.ndarray, n_clas
 # Report
 
 
-def _fmt(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-
-
 def summary_lines(info: dict, n_train: int, n_test: int, shape: tuple) -> list[str]:
     """What a data= run logs before training: the inspect summary and the workers' memory.
 
@@ -432,6 +389,6 @@ def summary_lines(info: dict, n_train: int, n_test: int, shape: tuple) -> list[s
             f"{'x'.join(map(str, shape))} uint8 in {info['chunks'][0]} / {info['chunks'][1]} "
             f"blocks, {len(counts)} classes ({min(counts)}..{max(counts)} train images each), "
             f"fingerprint {info['fingerprint']}",
-            f"memory on the workers: training images {_fmt(b['train'])} held once across the "
-            f"cluster, plus up to {_fmt(b['train'])} on each worker that augments (it gathers "
-            f"the blocks); test images {_fmt(b['test'])}"]
+            f"memory on the workers: training images {fmt_bytes(b['train'])} held once across the "
+            f"cluster, plus up to {fmt_bytes(b['train'])} on each worker that augments (it gathers "
+            f"the blocks); test images {fmt_bytes(b['test'])}"]

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 
 import augment as aug
+from pipeline.core.errors import DataError
 from pipeline.core.rng import rng_for
 from pipeline.data.readers import Shard
 
@@ -52,7 +53,12 @@ def augment(image_blocks: list, label_blocks: list, starts: tuple, indices: np.n
     images = np.empty((len(indices),) + first.shape[1:], dtype=first.dtype)
     labels = np.empty(len(indices), dtype=np.int32)
     ends = tuple(starts[1:]) + (starts[-1] + len(image_blocks[-1]),)
-    for block_images, block_labels, lo, hi in zip(image_blocks, label_blocks, starts, ends):
+    for i, (block_images, block_labels, lo, hi) in enumerate(zip(image_blocks, label_blocks,
+                                                                 starts, ends)):
+        if block_images.shape != (hi - lo,) + first.shape[1:] or len(block_labels) != hi - lo:
+            raise DataError(f"training block {i} holds {block_images.shape} images and "
+                            f"{len(block_labels)} labels; rows {lo}..{hi - 1} of "
+                            f"{first.shape[1:]} images were declared")
         mask = (indices >= lo) & (indices < hi)
         if mask.any():
             images[mask] = block_images[indices[mask] - lo]

@@ -34,7 +34,7 @@ from pipeline.core import keys
 from pipeline.core.config_data import DataConfig
 from pipeline.core.errors import DataError, one_line
 from pipeline.core.files import os_reason
-from pipeline.data.readers import Plan, Reader
+from pipeline.data.readers import Plan, Reader, checked
 
 BASE_URL = "https://www.cs.toronto.edu/~kriz/"
 # (dataset, format) -> (official archive, its published MD5); both from BASE_URL + "cifar.html"
@@ -222,7 +222,7 @@ def _plan(source: str, cfg: DataConfig, download: bool, client=None) -> Plan:
     if side is not None and cfg.image_size not in (None, side):
         raise DataError(f"data.image_size {cfg.image_size} applies to image folders and file "
                         f"lists; {reader.name} images are {side}x{side}")
-    return reader.plan(source, cfg, download, client)
+    return checked(reader.plan(source, cfg, download, client))
 
 
 def _cifar_plan(source: str, cfg: DataConfig, download: bool, client=None) -> Plan:

@@ -13,6 +13,17 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import numpy as np
 
+from pipeline.core.config_data import MAX_CLASSES
+from pipeline.core.errors import DataError
+
+# Class names as every reader gives them and OUT/data.json records them: predict reads that
+# file with room for these many characters (pipeline.training.predict), so whatever a run
+# writes its own predict reads back. 255: a folder name's limit on common file systems.
+MAX_NAME_CHARS = 255
+MAX_NAMES_CHARS = 1 << 22  # all class names together: 42 a class on average at MAX_CLASSES
+NAMES_JSON_BYTES = 6 * MAX_NAMES_CHARS + 8 * MAX_CLASSES  # their most in data.json: a
+#                    character escaped to 6 bytes (\udcXX), 8 bytes of JSON around each name
+
 if TYPE_CHECKING:
     from pipeline.data.images import Stream
 
@@ -34,6 +45,35 @@ class Plan(NamedTuple):
     arrays: tuple | None = None  # data that is an array already (pipeline.data.arrays): the
     #                              dataset's (images, labels, test images, test labels) dask arrays;
     #                              ``read`` is then unused
+
+
+def check_class_names(names: tuple, where: str) -> tuple:
+    """``names`` when at most ``MAX_CLASSES`` of at most ``MAX_NAME_CHARS`` characters each and
+    ``MAX_NAMES_CHARS`` in all; DataError naming the first too long.
+
+    >>> check_class_names(("a", "b" * 300), "x.txt")
+    Traceback (most recent call last):
+    ...
+    pipeline.core.errors.DataError: x.txt: class 1's name is 300 characters ('bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb...'); at most 255
+    """
+    if len(names) > MAX_CLASSES:
+        raise DataError(f"{where}: {len(names)} classes; at most {MAX_CLASSES} "
+                        "(model.n_classes' limit)")
+    for i, name in enumerate(names):
+        if len(name) > MAX_NAME_CHARS:
+            raise DataError(f"{where}: class {i}'s name is {len(name)} characters "
+                            f"({name[:40] + '...'!r}); at most {MAX_NAME_CHARS}")
+    total = sum(len(n) for n in names)
+    if total > MAX_NAMES_CHARS:
+        raise DataError(f"{where}: the {len(names)} class names hold {total} characters; at "
+                        f"most {MAX_NAMES_CHARS} in all")
+    return names
+
+
+def checked(plan: Plan) -> Plan:
+    """``plan`` whose class names pass :func:`check_class_names` (every reader's)."""
+    check_class_names(tuple(plan.label_names), str(plan.source)[:200])
+    return plan
 
 
 class Shard(NamedTuple):

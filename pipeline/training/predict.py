@@ -117,19 +117,31 @@ def _from_run(out: Path, model=None) -> Model:
 
 
 def _data_record(out: Path) -> dict | None:
-    """``OUT/data.json`` (written since runs record their data), or None."""
-    from pipeline.outputs.fs import read_json
+    """``OUT/data.json`` (written since runs record their data), or None. Read with room for
+    the class names any reader gives (``readers.NAMES_JSON_BYTES``), checked as the readers
+    check them; ``image_shape``
+    ``[3, S, S]`` with S at most ``MAX_IMAGE_SIZE`` (S is what predict resizes every image to)."""
+    from pipeline.core.config_data import MAX_CLASSES, MAX_IMAGE_SIZE
+    from pipeline.data.readers import NAMES_JSON_BYTES, check_class_names
+    from pipeline.outputs.fs import MAX_CONFIG_BYTES, read_json
     path = out / "data.json"
     if not path.is_file():
         return None
-    record = read_json(path, DataError)
+    record = read_json(path, DataError, limit=MAX_CONFIG_BYTES + NAMES_JSON_BYTES)
     names = record.get("class_names") if isinstance(record, dict) else None
     if not (isinstance(names, list) and all(isinstance(n, str) for n in names)
-            and record.get("n_classes") == len(names) and 2 <= len(names) <= 100_000):
+            and record.get("n_classes") == len(names) and 2 <= len(names) <= MAX_CLASSES):
         raise DataError(f"{path}: no list of class names matching n_classes")
+    check_class_names(tuple(names), str(path))
     from pipeline.data.datasets import KINDS
     if record.get("kind") not in KINDS:
         raise DataError(f"{path}: kind must be one of {', '.join(KINDS)}")
+    shape = record.get("image_shape")
+    if shape is not None and not (isinstance(shape, list) and len(shape) == 3
+                                  and all(type(d) is int for d in shape) and shape[0] == 3
+                                  and shape[1] == shape[2] and 1 <= shape[2] <= MAX_IMAGE_SIZE):
+        raise DataError(f"{path}: image_shape {str(shape)[:40]} is not [3, S, S] with S in "
+                        f"1..{MAX_IMAGE_SIZE} pixels")
     return record
 
 
@@ -142,8 +154,12 @@ def _model(config, params: dict, record: dict | None, name) -> Model:
         raise UsageError(f"the run names {len(names)} classes, its model has {n}")
     image_like = facts(kind).image_files or (record is None and _is_image_source(config))
     side = config.data.image_size or _default_side(image_like)
-    if record and isinstance(record.get("image_shape"), list):
-        side = int(record["image_shape"][-1])
+    if record and record.get("image_shape") is not None:
+        side = record["image_shape"][-1]
+        built = config.model.input_size or config.data.image_size  # what the run says it saw
+        if built not in (0, None, side):
+            raise DataError(f"data.json's image_shape {record['image_shape']} says the model "
+                            f"saw {side}x{side} images; its config says {built}x{built}")
     crop = imagefolder.EVAL_CROP if image_like else 1.0
     return Model(name, params, list(names), side, crop, config.model.cpu_kernels,
                  config.model.backend)

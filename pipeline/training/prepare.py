@@ -179,6 +179,7 @@ def plan(config: Config, out, dataset, found: "resuming.Resume | None",
     rounds, per_epoch, period = strategy.plan(config, n_train, done)
     if state is not None:
         _check_resumed(config, out, state, dataset.n_classes, model)
+        _check_classes(out, tuple(dataset.label_names))
     elif config.model.init_weights is not None:  # read and checked now, before a cluster
         initial_params(config, dataset.n_classes, model)
     if state is not None and len(done) == len(rounds):
@@ -197,6 +198,25 @@ def _check_resumed(config: Config, out, state: HostState, n_classes: int, model=
                           f"{config.train.replicas} replica(s)")
     template = initial_params(config, n_classes, model, weights=False)
     checkpoint.check_state(state, template, f"round {state.round} in {out}")
+
+
+def _check_classes(out, names: tuple) -> None:
+    """ResumeError when the run's ``data.json`` names its classes otherwise than the data now
+    does: the checkpoint's class i would be trained on another class's images."""
+    from pipeline.data.readers import NAMES_JSON_BYTES
+    from pipeline.outputs.fs import MAX_CONFIG_BYTES, read_json
+    if out is None or not (Path(out) / "data.json").is_file():
+        return
+    path = Path(out) / "data.json"
+    record = read_json(path, ResumeError, limit=MAX_CONFIG_BYTES + NAMES_JSON_BYTES)
+    saved = record.get("class_names") if isinstance(record, dict) else None
+    if isinstance(saved, list) and saved != list(names):
+        i = next((i for i, (a, b) in enumerate(zip(saved, names)) if a != b), min(len(saved),
+                                                                                    len(names)))
+        raise ResumeError(f"{out} was trained on {len(saved)} classes, class {i} named "
+                          f"{(saved[i:i + 1] or [None])[0]!r:.60}; the data now gives "
+                          f"{len(names)}, class {i} named {(names[i:i + 1] or (None,))[0]!r:.60} "
+                          "(resume with the run's data, or start a new run)")
 
 
 def initial_params(config: Config, n_classes: int, model=None, weights: bool = True) -> dict:

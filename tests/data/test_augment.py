@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import augment
+from pipeline.core.errors import DataError
 from pipeline.core.rng import rng_for
 from pipeline.data.augment import augment as augment_task
 from pipeline.data.augment import augment_positions, augment_rng
@@ -63,6 +64,21 @@ def test_the_task_gathers_its_shard_from_the_blocks(raw, expected):
     assert shard.labels.dtype == np.int32
     np.testing.assert_array_equal(
         shard.images, augment_positions(raw[indices], positions, POLICY, SEED, EPOCH, CHUNK))
+
+
+@pytest.mark.parametrize("block", [lambda b: b[:90], lambda b: np.concatenate([b, b[:10]]),
+                                   lambda b: b[:, :, :16]], ids=["short", "long", "smaller"])
+def test_a_block_unlike_its_declared_rows_is_refused_naming_it(raw, block):
+    """A middle block of other rows than its start and the next one's say: a longer one was
+    read silently, a short one ended in an IndexError."""
+    labels = np.arange(len(raw), dtype=np.int32) % 10
+    starts = (0, 100, 200)
+    images = [raw[lo:lo + 100] for lo in starts]
+    images[1] = block(images[1])
+    with pytest.raises(DataError, match=r"training block 1 holds \(\d+, 3, (32|16), (32|16)\) "
+                       r"images and 100 labels; rows 100..199 of \(3, 32, 32\) images"):
+        augment_task(images, [labels[lo:lo + 100] for lo in starts], starts,
+                     np.array([150, 120]), np.array([0, 1]), "cifar-cutout", SEED, EPOCH, CHUNK)
 
 
 def test_task_functions_and_generators_pickle():

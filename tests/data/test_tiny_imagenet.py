@@ -111,3 +111,51 @@ def test_trains_on_the_folder_as_it_ships(tiny, dask_client):
     result = train(config, dask_client, log=lambda m: None)
     assert result.history and result.model.fc.W.shape[0] == 3
     assert np.isfinite(result.history[-1]["train_loss"])
+
+
+def test_numbered_classes_sort_as_numbers_and_val_lines_name_them(tmp_path):
+    """Folders 0..10 sorted as strings (0, 1, 10, 2, ...), and a val line naming class 2 was read
+    as index 2 (the class named "10"): numbered classes are in numeric order and a val list
+    whose labels all name training classes is read by name."""
+    root = write_tiny_imagenet(tmp_path / "numbered", classes=11, train=1, val=1)
+    wnids = sorted(p.name for p in (root / "train").iterdir() if p.name.startswith("n0"))
+    annotations = (root / "val" / "val_annotations.txt").read_text()
+    for c, wnid in enumerate(wnids):
+        (root / "train" / wnid).rename(root / "train" / str(c))
+        annotations = annotations.replace(wnid, str(c))
+    (root / "val" / "val_annotations.txt").write_text(annotations)
+    train, val = imagefolder.folder_splits(str(root))
+    assert train.class_names == tuple(str(c) for c in range(11))
+    assert [f.label for f in train.files] == list(range(11))
+    named = [line.split("\t")[1] for line in annotations.splitlines()]
+    assert [val.class_names[f.label] for f in val.files] == named
+    # the same by name where names and indices differ: classes 3..13
+    for c in reversed(range(11)):
+        (root / "train" / str(c)).rename(root / "train" / str(c + 3))
+    relabelled = "".join(f"{line.split(chr(9))[0]}\t{int(line.split(chr(9))[1]) + 3}\n"
+                         for line in annotations.splitlines())
+    (root / "val" / "val_annotations.txt").write_text(relabelled)
+    train, val = imagefolder.folder_splits(str(root))
+    assert train.class_names == tuple(str(c) for c in range(3, 14))
+    assert [val.class_names[f.label] for f in val.files] == [str(int(n) + 3) for n in named]
+
+
+def test_a_nul_byte_in_a_file_list_names_the_list_and_line(tmp_path):
+    root = write_folder(tmp_path / "f", classes=2, per_class=2)
+    lst = tmp_path / "train.txt"
+    lst.write_text("class_0/img_000.jpg 0\nclass_0/img\0_001.jpg 0\nclass_1/img_000.jpg 1\n")
+    with pytest.raises(DataError) as err:
+        imagefolder.read_file_list(str(lst), str(root))
+    assert str(err.value) == f"{lst}:2: a NUL byte in 'class_0/img\\x00_001.jpg 0'; no path " \
+        "or class name holds one"
+
+
+def test_a_class_name_past_the_readers_limit_is_one_line(tmp_path):
+    root = write_folder(tmp_path / "f", classes=2, per_class=2)
+    lst = tmp_path / "train.txt"
+    long = "c" * 300
+    lst.write_text(f"class_0/img_000.jpg a\nclass_0/img_001.jpg a\nclass_1/img_000.jpg {long}\n"
+                   f"class_1/img_001.jpg {long}\n")
+    with pytest.raises(DataError, match=f"{lst}: class 1's name is 300 characters "
+                       r"\('cccc.*'\); at most 255"):
+        data.inspect_dataset(str(lst), cfg=DataConfig(image_root=str(root), image_size=16))

@@ -3,14 +3,18 @@ anything is sized by them, list lines split only at newlines, names of any bytes
 and an --out inside the data."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tracemalloc
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pipeline.cli.parser import main
+from pipeline.core.errors import DataError, UsageError
 from pipeline.data import imagefolder
 from pipeline.outputs import fs
 from tests.images import write_folder
@@ -167,3 +171,94 @@ def test_a_worker_result_of_the_wrong_form_is_one_line_naming_the_worker(tmp_pat
     assert "Traceback" not in err and "KeyError" not in err, err
     assert last.startswith("error: worker inproc://") and " returned 'n' of type str (expected " \
         "int) for train task " in last, last
+
+
+# --------------------------------------------------------------------------------------------
+# data.json as predict reads it back: bounded by what the run justifies
+
+
+@pytest.fixture(scope="module")
+def run(good, tmp_path_factory, dask_client) -> Path:
+    out = tmp_path_factory.mktemp("run") / "out"
+    assert main(["train", "--data", str(good), *ARGS, "--out", str(out), "--scheduler",
+                 dask_client.scheduler.address]) == 0
+    return out
+
+
+def _edited(run: Path, tmp_path: Path, **fields) -> Path:
+    """A copy of ``run`` whose data.json has ``fields`` replaced."""
+    out = Path(shutil.copytree(run, tmp_path / "edited"))
+    record = json.loads((out / "data.json").read_text())
+    (out / "data.json").write_text(json.dumps({**record, **fields}, indent=1))
+    return out
+
+
+@pytest.mark.parametrize("shape, expected", [
+    ([3, 27000, 27000], "data.json: image_shape [3, 27000, 27000] is not [3, S, S] with S in "
+                        "1..1024 pixels"),
+    ([3, 16, 17], "is not [3, S, S]"), ([1, 16, 16], "is not [3, S, S]"),
+    (["3", 16, 16], "is not [3, S, S]"), ([3, 16.0, 16.0], "is not [3, S, S]"),
+    ([3, 32, 32], "data.json's image_shape [3, 32, 32] says the model saw 32x32 images; its "
+                  "config says 16x16"),
+])
+def test_predict_bounds_the_recorded_image_shape_by_the_run(run, tmp_path, shape, expected):
+    """A 4 KB edit of data.json made one 8x8 image cost 2.2 GB: the side predict resizes every
+    image to is the run's, at most 1024."""
+    from pipeline.training import predict
+    with pytest.raises(DataError) as err:
+        predict.load(_edited(run, tmp_path, image_shape=shape))
+    assert expected in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert predict.load(run).side == 16
+
+
+def test_predict_reads_the_class_names_any_run_writes(run, tmp_path):
+    """100,000 classes of 12-character names: a data.json of 2 MB that predict refused (its cap
+    was config.json's 1 MiB); names past the readers' limits are refused as readers refuse them."""
+    from pipeline.training import predict
+    names = [f"class_{i:06d}" for i in range(100_000)]
+    record = predict._data_record(_edited(run, tmp_path, class_names=names, n_classes=len(names)))
+    assert record["class_names"] == names
+    long = _edited(run, tmp_path / "long", class_names=["a", "b" * 300], n_classes=2)
+    with pytest.raises(DataError, match="data.json: class 1's name is 300 characters"):
+        predict.load(long)
+
+
+_EDITS = st.fixed_dictionaries({}, optional={
+    "image_shape": st.one_of(st.none(), st.integers(-1, 1 << 40), st.lists(
+        st.one_of(st.integers(-2, 1 << 40), st.floats(), st.text(max_size=3)), max_size=5)),
+    "class_names": st.one_of(st.lists(st.text(max_size=4), max_size=4), st.integers()),
+    "n_classes": st.one_of(st.integers(-1, 1 << 40), st.floats(), st.none()),
+    "kind": st.sampled_from(["image-folder", "arrays", "cifar10", "x", ""]),
+    "source": st.one_of(st.text(max_size=8), st.integers())})
+
+
+@given(edits=_EDITS)
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_random_data_json_edits_give_a_model_or_one_line(run, tmp_path_factory, edits):
+    from pipeline.training import predict
+    out = _edited(run, tmp_path_factory.mktemp("fuzz"), **edits)
+    try:
+        model = predict.load(out)
+    except UsageError as err:  # DataError, or the names against the model's classes
+        assert "\n" not in str(err), str(err)
+        return
+    assert model.side == 16 and len(model.class_names) == 2
+
+
+def test_a_resume_refuses_classes_in_another_order(tmp_path, capsys, dask_client):
+    """Class index i of the checkpoint is the class data.json names i: a folder whose classes
+    now sort otherwise (numbered folders sorted as strings before) is refused, not trained on
+    the wrong labels."""
+    root = write_folder(tmp_path / "data", classes=2, per_class=8)
+    (root / "class_0").rename(root / "b")
+    (root / "class_1").rename(root / "a")
+    out = tmp_path / "out"
+    args = ["--data", str(root), *ARGS, "--scheduler", dask_client.scheduler.address]
+    assert main(["train", *args, "--out", str(out)]) == 0
+    (root / "a").rename(root / "c")  # classes b, c: index 0 is now b
+    capsys.readouterr()
+    line = assert_train_refused(capsys, "--resume", str(out), "--epochs", "1", "--scheduler",
+                                dask_client.scheduler.address, "--no-progress")
+    assert f"{out} was trained on 2 classes, class 0 named 'a'; the data now gives 2, class 0 " \
+        "named 'b'" in line, line

@@ -27,14 +27,26 @@ def _is_run_dir(path: str) -> bool:
 
 
 def class_folders(root: str) -> list[str]:
-    """Sorted names of the non-hidden subfolders of ``root`` (the classes); a run directory of
-    ours (an ``--out`` placed inside the data) is not one."""
+    """Names of the non-hidden subfolders of ``root`` (the classes) in :func:`class_order`; a
+    run directory of ours (an ``--out`` placed inside the data) is not one."""
     try:
-        entries = sorted(os.scandir(root), key=lambda e: e.name)
+        entries = list(os.scandir(root))
     except OSError as exc:
         raise DataError(f"{root}: cannot list the directory ({os_reason(exc)})") from None
-    return [e.name for e in entries if not _hidden(e.name) and _is_dir(e)
-            and not _is_run_dir(e.path)]
+    return class_order([e.name for e in entries if not _hidden(e.name) and _is_dir(e)
+                        and not _is_run_dir(e.path)])
+
+
+def class_order(names: list) -> list:
+    """Sorted names; numbered classes in numeric order, so class ``10`` is index 10 as in a list
+    labelled by numbers (as strings they sorted ``0, 1, 10, 2``).
+
+    >>> class_order(["2", "10", "0", "1"]), class_order(["b", "10", "a", "2"])
+    (['0', '1', '2', '10'], ['10', '2', 'a', 'b'])
+    """
+    if names and all(n.isascii() and n.isdigit() for n in names):
+        return sorted(names, key=lambda n: (len(n.lstrip("0")), n.lstrip("0"), n))
+    return sorted(names)
 
 
 def _walk(folder: str):

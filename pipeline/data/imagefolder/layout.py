@@ -80,6 +80,8 @@ def listed(path: str, label: int) -> ImageFile:
         st = os.stat(path)
     except OSError as exc:
         raise DataError(f"{path}: {os_reason(exc)}") from None
+    except ValueError:  # a NUL byte
+        raise DataError(f"{path!r}: a NUL byte in the path; no file name holds one") from None
     if not stat.S_ISREG(st.st_mode):
         raise DataError(f"{path}: is {describe(st.st_mode)}, expected a regular file")
     return ImageFile(path, label, st.st_size, st.st_mtime_ns)

@@ -20,7 +20,8 @@ def read_file_list(path: str, root: str | None = None, n_classes: int | None = N
     with more fields after an existing path, ``path label extra...`` (extra columns ignored, as
     in Tiny-ImageNet's ``val_annotations.txt``). A label is an integer or a class name: names
     of a training list are its sorted distinct names (torchvision's order); ``class_names`` (a
-    val list: the training split's) maps names to indices, and fixes ``n_classes``. DataError
+    val list: the training split's) maps names to indices, and fixes ``n_classes``; a list whose
+    every label is one of ``class_names`` is read by name (``2`` is the class named "2"). DataError
     naming ``LIST:LINE`` for a bad line, a missing file, a label out of range or an unknown name.
     """
     text = _read_text(path)
@@ -40,8 +41,8 @@ def read_file_list(path: str, root: str | None = None, n_classes: int | None = N
             raise DataError(f"{where}: {err}") from None
     if not rows:
         raise DataError(f"{path}: the file list names no image")
-    if not _is_int(rows[0][2]):
-        return _named(rows, path, class_names)
+    if not _is_int(rows[0][2]) or (class_names and {r[2] for r in rows} <= set(class_names)):
+        return _named(rows, path, class_names)  # a val list naming numbered classes too
     files, largest = [], (-1, "")
     for where, f, label, line in rows:
         if not _is_int(label) and any(ch.isalpha() for ch in label):
@@ -78,18 +79,20 @@ def _fields(line: str, root: str, where: str) -> tuple[str, str]:
     if len(parts) < 2 or not parts[0] or not parts[1]:
         raise DataError(f"{where}: expected 'path label' (an integer label or a class name), "
                         f"got {line[:80]!r}")
+    if "\0" in line:  # os.stat's "embedded null byte" named neither the list nor the line
+        raise DataError(f"{where}: a NUL byte in {line[:80]!r}; no path or class name holds one")
     return parts[0], parts[1]
 
 
 def _named(rows: list, path: str, class_names: tuple | None) -> Listing:
     """A list labelled by class names: indices through ``class_names`` (else the sorted names)."""
-    numbered = [r for r in rows if _is_int(r[2])]
+    names = tuple(class_names) if class_names else tuple(sorted({r[2] for r in rows}))
+    index = {name: i for i, name in enumerate(names)}
+    numbered = [r for r in rows if _is_int(r[2]) and r[2] not in index]
     if numbered:
         where, _, label, _ = numbered[0]
         raise DataError(f"{where}: label {label!r} is a number, but {rows[0][0]} names a class "
                         f"({rows[0][2]!r}): a list uses numbers or names, not both")
-    names = tuple(class_names) if class_names else tuple(sorted({r[2] for r in rows}))
-    index = {name: i for i, name in enumerate(names)}
     files = []
     for where, f, label, _ in rows:
         if label not in index:
