@@ -15,8 +15,6 @@ uint8 pixels as read, cast), ``N`` dynamic; its outputs ``probabilities`` (softm
 from __future__ import annotations
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper
 
 from pipeline.backends.chainer import onnx_ops
 from pipeline.backends.chainer.compat import chainer
@@ -129,6 +127,8 @@ def to_onnx(link, forward, side: int, mean, std, metadata: dict, label: str) -> 
     images: pixels 0-255 -> ``(pixels - mean) * (1 / std)`` per channel in float32 (the bits
     of ``augment.normalize``) -> the net -> softmax. ``metadata``: string values, stored as the
     model's metadata_props."""
+    import onnx  # the [onnx] extra, imported when used (see onnx_ops.make_node)
+    from onnx import TensorProto, helper
     x, y, recorder = trace(forward, side)
     nodes, constants, logits = graph_nodes(link, x, y, recorder, label)
     constants["preprocess/mean"] = np.asarray(mean, np.float32).reshape(1, -1, 1, 1)

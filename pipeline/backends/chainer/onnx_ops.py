@@ -13,9 +13,15 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 import numpy as np
-from onnx import helper, numpy_helper
 
 OPSET = 17
+
+
+def make_node(*args, **kwargs):
+    """``onnx.helper.make_node``; onnx (the [onnx] extra) is imported on the first export, not
+    with the package (pytest's doctest collection imports every module)."""
+    from onnx import helper
+    return helper.make_node(*args, **kwargs)
 
 
 class Call(NamedTuple):
@@ -35,7 +41,7 @@ class Call(NamedTuple):
 
 
 def _node(op: str, call: Call, ins=None, **attrs):
-    return helper.make_node(op, call.ins if ins is None else ins, call.outs[:1],
+    return make_node(op, call.ins if ins is None else ins, call.outs[:1],
                             name=call.prefix, **attrs)
 
 
@@ -134,7 +140,7 @@ def stack(fn, call: Call) -> list:
     axis = fn.axis % (len(call.in_shapes[0]) + 1)
     axes = call.constant("axes", np.array([axis], np.int64))
     parts = [f"{call.prefix}/part{i}" for i in range(len(call.ins))]
-    return [helper.make_node("Unsqueeze", [x, axes], [p], name=p)
+    return [make_node("Unsqueeze", [x, axes], [p], name=p)
             for x, p in zip(call.ins, parts)] + [_node("Concat", call, ins=parts, axis=axis)]
 
 
@@ -181,7 +187,7 @@ def clipped_relu(fn, call: Call) -> list:
 
 
 def identity(fn, call: Call) -> list:
-    return [helper.make_node("Identity", call.ins[:1], call.outs[:1], name=call.prefix)]
+    return [make_node("Identity", call.ins[:1], call.outs[:1], name=call.prefix)]
 
 
 # FunctionNode class name -> converter. Dropout, an inference no-op, leaves no node in Chainer's
@@ -216,6 +222,7 @@ def convert(fn, call: Call) -> list:
 
 def tensor(name: str, array: np.ndarray):
     """An initializer (float64 constants kept as float32, the dtype the graph computes in)."""
+    from onnx import numpy_helper
     array = np.asarray(array)
     if array.dtype == np.float64:
         array = array.astype(np.float32)
