@@ -31,5 +31,12 @@ def predict(run_or_model, images, **kwargs):
     return _predict(run_or_model, images, **kwargs)
 
 
+def export(run_or_model, path, **kwargs):
+    """Write a trained run's network as an ONNX file; see pipeline.training.export.export."""
+    from pipeline.training.export import export as _export
+    return _export(run_or_model, path, **kwargs)
+
+
 __all__ = ["Config", "DataConfig", "AugmentConfig", "ModelConfig", "TrainConfig", "AverageConfig",
-           "ClusterConfig", "train", "load_model", "predict"]
+           "ClusterConfig", "train", "load_model", "predict",
+           "export"]

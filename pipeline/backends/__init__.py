@@ -115,6 +115,13 @@ class Backend(Protocol):
     def predict(self, params: State, images: np.ndarray, spec: Any) -> np.ndarray:
         """(N, 3, H, W) uint8 -> (N, classes) float32 softmax probabilities."""
 
+    def export_onnx(self, params: State, spec: Any, side: int, metadata: dict) -> bytes:
+        """The serialized ONNX model of ``spec.model`` holding ``params`` on ``side`` x ``side``
+        images: input ``pixels`` float32 (N, 3, side, side), 0-255, normalised with
+        ``spec.mean``/``spec.std`` inside; outputs ``probabilities`` and ``logits`` (N,
+        classes); ``metadata`` (string values) in its metadata_props. UsageError (one line)
+        naming a function with no ONNX form."""
+
     def using_threads(self, threads: int, spec: Any) -> ContextManager[int]:
         """A block in which the task's work runs on ``threads`` cores (its share of its
         worker's), split as the framework does it best; the BLAS/OpenMP pools go through

@@ -79,7 +79,10 @@ def add_subcommands(sub) -> None:
                        description="Top-k classes (names and probabilities) of each image under "
                                    "the model of --run OUT; images are read as the run's "
                                    "evaluation read its split (its image size and centre crop).")
-    r.add_argument("--run", metavar="OUT", required=True, help="a run directory written by train")
+    source = r.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", metavar="OUT", help="a run directory written by train")
+    source.add_argument("--onnx", metavar="FILE", help="a file written by export, run by "
+                        "onnxruntime without Chainer (pipeline/cli/export.py)")
     r.add_argument("images", metavar="IMAGE", nargs="+",
                    help="image files, or folders of them (sorted, nested folders too)")
     r.add_argument("--model", metavar="pkg.module:factory",
@@ -306,8 +309,12 @@ def _run_predict(args) -> int:
     from pipeline.training.predict import predict
     if args.top < 1:
         raise UsageError(f"--top must be >= 1, got {args.top}")
-    result = predict(args.run, args.images, tta=bool(getattr(args, "train.tta")),
-                     model=args.model)
+    if args.onnx:
+        from pipeline.cli.export import predict_onnx
+        result = predict_onnx(args)
+    else:
+        result = predict(args.run, args.images, tta=bool(getattr(args, "train.tta")),
+                         model=args.model)
     for image, top in zip(result.images, result.top(args.top)):
         if args.format == "json":
             print(dumps({"image": image, "top": [{"class": n, "probability": round(p, 4)}

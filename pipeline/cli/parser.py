@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
         add(sub)
     from pipeline.cli import commands  # train, evaluate, demo live with the training code
     commands.add_subcommands(sub)
+    from pipeline.cli import export  # export, and predict --onnx's reading
+    export.add_subcommands(sub)
     return parser
 
 

@@ -200,6 +200,8 @@ def test_a_registry_field_describes_all_of_its_names_or_none(dest):
 OWN_MEANING = {("evaluate", "--data"): "the test data of a trained model",
                ("evaluate", "--model"): "the model of --weights (the registry's names listed)",
                ("predict", "--model"): "a run's own model named again (a directory imports none)",
+               ("export", "--model"): "a run's own model named again (a directory imports none)",
+               ("export", "--out"): "the ONNX file to write, not a run directory",
                ("demo", "--epochs"): "the demo's own length (3 epochs)",
                ("demo", "--download"): "CIFAR-10 only; without it the demo makes no connection",
                ("synth", "--seed"): "the seed of the synthetic images, not of a run"}

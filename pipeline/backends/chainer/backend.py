@@ -319,6 +319,14 @@ class ChainerBackend:
             xp = chainer.backend.get_array_module(parts[0])
             return np.asarray(_host(xp.concatenate(parts)), dtype=np.float32)
 
+    def export_onnx(self, params, spec, side, metadata):
+        from pipeline.backends import model_label
+        from pipeline.backends.chainer import onnx_export
+        with _mode(False, "chainer"):
+            model = self.to_model(spec.model, spec.n_classes, params)
+            return onnx_export.to_onnx(model, lambda x: _forward(model, x, spec, None), side,
+                                       spec.mean, spec.std, metadata, model_label(spec.model))
+
     @contextlib.contextmanager
     def using_threads(self, threads, spec):
         """On a CPU with our kernels, ``threads`` > 1 share each convolution's im2col chunks,
