@@ -90,12 +90,15 @@ class Tracker:
     """One MLflow run on the server at ``uri``, logged to without ever failing: each call that
     does not get through (down, refused, timed out, an error answer) is counted in ``lost``."""
 
-    def __init__(self, uri: str, log: Callable[[str], None], timeout: float | None = None):
+    def __init__(self, uri: str, log: Callable[[str], None], timeout: float | None = None,
+                 on_start: Callable[[str], None] | None = None):
         import requests
         self.uri, self.log, self.timeout = uri.rstrip("/"), log, timeout or TIMEOUT_S
+        self.on_start = on_start  # called with the run id once the run is created or reopened
         self.session = requests.Session()
         self.session.headers.update(_auth_headers())
         self.run_id: str | None = None
+        self.wanted: tuple | None = None  # (run id, name, params) of a start not yet through
         self.artifact_path: str | None = None  # where the proxy keeps this run's artifacts
         self.calls = self.lost = 0
         self.reason: str | None = None  # the first failure, for the summary
@@ -105,12 +108,20 @@ class Tracker:
     def start(self, run_id: str | None, name: str | None, params: dict[str, str]) -> str | None:
         """Go on with ``run_id`` (a resume: marked RUNNING again) or, where there is none or the
         server has no such run, create a run named ``name`` and log ``params``; the run id, or
-        None if the server did not answer."""
-        if run_id is not None and self.reopen(run_id):
-            self._call("POST", "runs/update", dict(run_id=run_id, status="RUNNING"))
-            return self.run_id
-        if run_id is not None and self.reason is not None:
-            return None  # down: no reason to start another run
+        None if the server did not answer (then the next call after the back-off tries again:
+        a server that comes back gets the rest of the run)."""
+        self.wanted = (run_id, name, params)
+        return self._begin()
+
+    def _begin(self) -> str | None:
+        run_id, name, params = self.wanted
+        if run_id is not None:
+            lost = self.lost
+            if self.reopen(run_id):
+                self._call("POST", "runs/update", dict(run_id=run_id, status="RUNNING"))
+                return self._started()
+            if self.lost > lost:
+                return None  # down, not a run the server forgot: no second run
         body = dict(experiment_id=self._experiment(), start_time=_now_ms(),
                     tags=[dict(key="mlflow.source.name", value="dask-chainer-pipeline")])
         created = self._call("POST", "runs/create", {**body, "run_name": name} if name else body)
@@ -121,7 +132,19 @@ class Tracker:
         for i in range(0, len(items), MAX_PARAMS):
             self._call("POST", "runs/log-batch", dict(run_id=self.run_id, params=[
                 dict(key=k, value=v) for k, v in items[i:i + MAX_PARAMS]]))
+        return self._started()
+
+    def _started(self) -> str:
+        self.wanted = None
+        if self.on_start is not None:
+            self.on_start(self.run_id)
         return self.run_id
+
+    def _ready(self) -> None:
+        """Try a start that did not get through again, once the back-off is over."""
+        if self.run_id is None and self.wanted is not None \
+                and time.monotonic() >= self.quiet_until:
+            self._begin()
 
     def reopen(self, run_id: str) -> bool:
         """Whether the server has the run ``run_id`` (then it is this tracker's run); a run it
@@ -133,6 +156,7 @@ class Tracker:
 
     def log_metrics(self, step: int, values: dict[str, float]) -> None:
         """One round's metrics at ``step``."""
+        self._ready()
         now = _now_ms()
         batch = [dict(key=k, value=float(v), timestamp=now, step=int(step))
                  for k, v in values.items()]
@@ -143,6 +167,7 @@ class Tracker:
     def log_artifact(self, path: Path) -> None:
         """Upload the file ``path`` to the run's artifacts under its own name."""
         path = Path(path)
+        self._ready()
         if self.run_id is None:
             return self._skip("the MLflow run was never created")
         if self.artifact_path is None:
@@ -158,6 +183,7 @@ class Tracker:
 
     def end(self, status: str) -> None:
         """Mark the run FINISHED, FAILED or KILLED."""
+        self._ready()
         self._call("POST", "runs/update", dict(run_id=self.run_id, status=status,
                                                end_time=_now_ms()))
 
@@ -174,7 +200,7 @@ class Tracker:
         if not name:
             return "0"  # MLflow's Default experiment
         found = self._call("GET", "experiments/get-by-name", dict(experiment_name=name),
-                           count=False)
+                           count=False, missing_ok=True)
         if found is not None:
             return found["experiment"]["experiment_id"]
         made = self._call("POST", "experiments/create", dict(name=name), count=False)

@@ -235,13 +235,16 @@ class MLflowLog(Extension):
 
     def initialize(self, info: RunInfo) -> None:
         from pipeline.outputs import mlflow_tracking as tracking
-        self.info, self.tracker = info, tracking.Tracker(self.uri, info.log)
         out = info.out
         known = tracking.read_record(out, self.uri) if out is not None else None
-        run_id = self.tracker.start(known, out.name if out is not None else None,
-                                    tracking.params_of(info.config.to_dict()))
-        if run_id is not None and out is not None and run_id != known:
-            tracking.write_record(out, self.uri, run_id)
+
+        def started(run_id: str) -> None:  # now, or once a server that was down answers
+            if out is not None and run_id != known:
+                tracking.write_record(out, self.uri, run_id)
+        self.info = info
+        self.tracker = tracking.Tracker(self.uri, info.log, on_start=started)
+        self.tracker.start(known, out.name if out is not None else None,
+                           tracking.params_of(info.config.to_dict()))
 
     def __call__(self, state: RoundState) -> None:
         from pipeline.outputs.hooks import scalars

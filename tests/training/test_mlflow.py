@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from pipeline.cli import main
 from pipeline.core.config import Config
 from pipeline.outputs import mlflow_tracking
 from pipeline.training import train
@@ -188,6 +189,52 @@ def test_a_server_that_is_down_never_stops_the_training(server, mlflow_server, d
     assert 0 < n <= m
     assert not (out / mlflow_tracking.RECORD).exists()
     assert took < 60, took  # one timeout, then the back-off: not a timeout per call
+
+
+def test_a_server_that_comes_back_gets_the_rest_of_the_run(mlflow_server, monkeypatch):
+    monkeypatch.setattr(mlflow_tracking, "BACKOFF_S", 0.05)
+    started, said = [], []
+    tracker = mlflow_tracking.Tracker(mlflow_server, said.append, on_start=started.append)
+    real, down = tracker.session.request, [True]
+
+    def request(*args, **kwargs):
+        if down[0]:
+            raise requests.ConnectionError("Connection refused")
+        return real(*args, **kwargs)
+    tracker.session.request = request
+    assert tracker.start(None, "late", {"seed": "0"}) is None
+    tracker.log_metrics(0, {"loss/train": 2.0})  # backing off: lost without a request
+    down[0] = False
+    time.sleep(0.1)
+    tracker.log_metrics(1, {"loss/train": 1.5})  # creates the run first
+    tracker.end("FINISHED")
+    assert started == [tracker.run_id] and said == []
+    info, params = _run(mlflow_server, tracker.run_id)
+    assert info["status"] == "FINISHED" and params == {"seed": "0"}
+    assert _history(mlflow_server, tracker.run_id, "loss/train") == [(1, 1.5)]
+    assert (tracker.lost, tracker.calls) == (2, 6)
+    assert tracker.summary().startswith(f"mlflow: 2 of 6 calls lost (server {mlflow_server} ")
+    assert "Connection refused" in tracker.summary()
+
+
+def test_the_readme_commands_train_and_resume_into_one_mlflow_run(mlflow_server, scheduler,
+                                                                  tmp_path, capsys):
+    out = tmp_path / "tracked"
+    args = ["--scheduler", scheduler, "--no-progress"]
+    assert main(["train", "--data", "synthetic:64:16", "--model", "small-cnn", "--strategy",
+                 "single", "--batch-size", "16", "--epochs", "1", "--out", str(out),
+                 "--mlflow", mlflow_server, *args]) == 0
+    run_id = _record(out)
+    assert main(["train", "--resume", str(out), "--epochs", "2", *args]) == 0  # config.json's URI
+    assert _record(out) == run_id
+    assert "mlflow" not in capsys.readouterr().err
+    steps = [s for s, _ in _history(mlflow_server, run_id, "loss/train")]
+    assert steps[-1] == _lines(out)[-1]["step"] and len(steps) >= len(_lines(out))
+    dead = f"http://127.0.0.1:{free_port()}"
+    assert main(["train", "--resume", str(out), "--epochs", "3", "--mlflow", dead, *args]) == 0
+    said = [x for x in capsys.readouterr().err.splitlines() if "mlflow" in x]
+    assert len(said) == 1 and said[0].startswith("mlflow: ") and dead in said[0], said
+    assert _record(out) == run_id  # the record of the first server stays
 
 
 def test_mlflow_takes_an_http_uri_only():
