@@ -89,6 +89,10 @@ class Config:
         check(self.anchor_every >= 0, "anchor_every", "must be >= 0", self.anchor_every)
         check(self.mlflow is None or is_tracking_uri(self.mlflow), "mlflow",
               "must be an http:// or https:// tracking server URI (or None)", self.mlflow)
+        if self.mlflow is not None and "@" in self.mlflow.split("//", 1)[-1].split("/", 1)[0]:
+            raise ValueError("mlflow must not carry a user name or password (config.json keeps "
+                             "the URI): set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD "
+                             "(or MLFLOW_TRACKING_TOKEN) instead")  # the value is not echoed
         return self
 
     def replace(self, **sections) -> "Config":

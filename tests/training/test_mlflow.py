@@ -241,3 +241,6 @@ def test_mlflow_takes_an_http_uri_only():
     with pytest.raises(ValueError, match="mlflow must be an http:// or https://"):
         Config(mlflow="file:///tmp/mlruns").validate()
     assert Config(mlflow="https://mlflow.example:5000/base").validate().mlflow
+    with pytest.raises(ValueError, match="MLFLOW_TRACKING_USERNAME") as caught:
+        Config(mlflow="https://me:secret@mlflow.example").validate()
+    assert "secret" not in str(caught.value)
