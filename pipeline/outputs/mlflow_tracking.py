@@ -154,6 +154,14 @@ class Tracker:
             self._opened(found["run"]["info"])
         return bool(found)
 
+    def last_step(self, key: str) -> int:
+        """The highest step the run has logged of metric ``key`` (-1: none, or no answer)."""
+        if self.run_id is None:
+            return -1
+        found = self._call("GET", "metrics/get-history", dict(run_id=self.run_id, metric_key=key),
+                           count=False, missing_ok=True)
+        return max((int(m["step"]) for m in (found or {}).get("metrics", [])), default=-1)
+
     def log_metrics(self, step: int, values: dict[str, float]) -> None:
         """One round's metrics at ``step``."""
         self._ready()

@@ -228,10 +228,11 @@ class MLflowLog(Extension):
     :mod:`pipeline.outputs.mlflow_tracking`): the config as parameters when the MLflow run is
     created (a resume goes on in the run ``OUT/mlflow.json`` names), each new round's metrics
     (TensorBoard's scalars: loss, accuracy, lr, seconds per stage; and the wall seconds) at its
-    step, then the run's files and its end status. Lost calls are one warning line at the end."""
+    step, each step once (a resume's recomputed rounds are not logged again), then the run's files and its end status. Lost calls are one warning line at the end."""
 
     def __init__(self, uri: str):
         self.uri, self.tracker, self.info, self.status = uri, None, None, "FINISHED"
+        self.logged = -1  # the last step the MLflow run has (a resume's rounds up to it are in)
 
     def initialize(self, info: RunInfo) -> None:
         from pipeline.outputs import mlflow_tracking as tracking
@@ -241,6 +242,8 @@ class MLflowLog(Extension):
         def started(run_id: str) -> None:  # now, or once a server that was down answers
             if out is not None and run_id != known:
                 tracking.write_record(out, self.uri, run_id)
+            if run_id == known:  # a resume recomputes the rounds after its checkpoint: the
+                self.logged = self.tracker.last_step("loss/train")  # same bits, logged once
         self.info = info
         self.tracker = tracking.Tracker(self.uri, info.log, on_start=started)
         self.tracker.start(known, out.name if out is not None else None,
@@ -249,6 +252,8 @@ class MLflowLog(Extension):
     def __call__(self, state: RoundState) -> None:
         from pipeline.outputs.hooks import scalars
         line = state.line
+        if line["step"] <= self.logged:
+            return
         self.tracker.log_metrics(line["step"], {**scalars(line), "wall_seconds": line["seconds"]})
 
     def on_error(self, exc: BaseException) -> None:
