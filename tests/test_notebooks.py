@@ -94,6 +94,7 @@ def _kernel_env(monkeypatch) -> None:
                                                                    os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("MPLBACKEND", "Agg")  # the notebooks switch to inline; never a GUI
     monkeypatch.delenv("DASK_SCHEDULER_ADDRESS", raising=False)  # 03 starts its own cluster
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # 01's MLflow cell: no server here
 
 
 def execute(path: Path, workdir: Path) -> nbformat.NotebookNode:

@@ -71,6 +71,21 @@ def in_range(value, lo, hi, name: str, closed_lo: bool = True, closed_hi: bool =
                      f"{']' if closed_hi else ')'}", value)
 
 
+def is_tracking_uri(text: str) -> bool:
+    """Whether ``text`` names an MLflow tracking server: http(s)://HOST[:PORT][/path] (the form
+    of --mlflow; a file store or Databricks is MLflow's own client's business).
+
+    >>> [is_tracking_uri(u) for u in ("http://127.0.0.1:5000", "file:///x", "http://")]
+    [True, False, False]
+    """
+    from urllib.parse import urlsplit
+    try:
+        parts = urlsplit(text)
+        return parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError:  # a port that is not a number
+        return False
+
+
 def is_json_object(text: str) -> bool:
     """Whether ``text`` is a JSON object (the form of --model-args and --optimizer-args).
 

@@ -18,7 +18,8 @@ from pipeline.outputs.fs import has_checkpoint, read_json
 # what it writes beside the metrics, never what it computes.
 # anchor_every: anchors restart from the gathered state, the same bits (and config.json files
 # from before it lack it).
-RESUMABLE = frozenset({"cluster", "out", "progress", "tensorboard", "csv", "anchor_every"})
+RESUMABLE = frozenset({"cluster", "out", "progress", "tensorboard", "csv", "mlflow",
+                       "anchor_every"})
 # Fields a resume may change to train a run longer: ``--resume OUT --epochs N``; and fields the
 # data decides (the class count: data.* is compared, and config.json records what the data said).
 EXTENDABLE = frozenset({("train", "epochs"), ("model", "n_classes"), ("model", "input_size"),

@@ -16,10 +16,11 @@ from pipeline.outputs import fs
 from pipeline.core.state import HostState
 from pipeline.core.errors import UsageError
 from pipeline.data.kept import EVAL_FILE
+from pipeline.outputs.mlflow_tracking import RECORD as MLFLOW_RECORD
 
 # Files of a finished or interrupted run that --overwrite removes (strategies may add their own).
 RUN_FILES = ("metrics.jsonl", "metrics.csv", "model.npz", "curves.png", "summary.json",
-             "data.json", EVAL_FILE)
+             "data.json", EVAL_FILE, MLFLOW_RECORD)
 RUN_DIRS = ("checkpoints", "tensorboard")
 
 

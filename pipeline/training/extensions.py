@@ -226,6 +226,61 @@ class Curves(Extension):
             save_curves(self.info.history, self.info.out / "curves.png", **curve_labels(self.info))
 
 
+# ---- results that leave the run directory ----------------------------------------------------
+class MLflowLog(Extension):
+    """The run on an MLflow tracking server (``--mlflow URI``;
+    :mod:`pipeline.outputs.mlflow_tracking`): the config as parameters when the MLflow run is
+    created (a resume goes on in the run ``OUT/mlflow.json`` names), each new round's metrics
+    (TensorBoard's scalars: loss, accuracy, lr, seconds per stage; and the wall seconds) at its
+    step, each step once (a resume's recomputed rounds are not logged again), then the run's files and its end status. Lost calls are one warning line at the end."""
+
+    def __init__(self, uri: str):
+        self.uri, self.tracker, self.info, self.status = uri, None, None, "FINISHED"
+        self.logged = -1  # the last step the MLflow run has (a resume's rounds up to it are in)
+
+    def initialize(self, info: RunInfo) -> None:
+        from pipeline.outputs import mlflow_tracking as tracking
+        out = info.out
+        known = tracking.read_record(out, self.uri) if out is not None else None
+
+        def started(run_id: str) -> None:  # now, or once a server that was down answers
+            if out is not None and run_id != known:
+                tracking.write_record(out, self.uri, run_id)
+            if run_id == known:  # a resume recomputes the rounds after its checkpoint: the
+                self.logged = self.tracker.last_step("loss/train")  # same bits, logged once
+        self.info = info
+        self.tracker = tracking.Tracker(self.uri, info.log, on_start=started)
+        self.tracker.start(known, out.name if out is not None else None,
+                           tracking.params_of(info.config.to_dict()))
+
+    def __call__(self, state: RoundState) -> None:
+        from pipeline.outputs.hooks import scalars
+        line = state.line
+        if line["step"] <= self.logged:
+            return
+        self.tracker.log_metrics(line["step"], {**scalars(line), "wall_seconds": line["seconds"]})
+
+    def on_error(self, exc: BaseException) -> None:
+        self.status = "KILLED" if isinstance(exc, (Interrupted, KeyboardInterrupt)) else "FAILED"
+
+    def finalize(self) -> None:
+        """After the run's files are written (the loop finalizes after ``RunDir.finish``): a
+        finished run's ``ARTIFACTS``, a stopped one's config and curves, a failed one's config."""
+        if self.tracker is None:
+            return
+        from pipeline.outputs.mlflow_tracking import ARTIFACTS
+        names = {"FINISHED": ARTIFACTS, "KILLED": ("config.json", "curves.png"),
+                 "FAILED": ("config.json",)}[self.status]
+        out = self.info.out
+        for name in names if out is not None else ():
+            if (out / name).is_file():
+                self.tracker.log_artifact(out / name)
+        self.tracker.end(self.status)
+        summary = self.tracker.summary()
+        if summary:
+            self.info.log(summary)
+
+
 def standard(config, out, schedule, hooks=(), on_round=None) -> list[Extension]:
     """The extensions of a run, in the order they run: metrics.jsonl, the ``hooks`` given, those
     the config asks for, ``on_round``, the progress bar, the strategy's records, checkpoints,
@@ -237,6 +292,8 @@ def standard(config, out, schedule, hooks=(), on_round=None) -> list[Extension]:
         chosen.append(LineHook(line_hooks.CSVLog(out.path / "metrics.csv")))
     if out and config.tensorboard:
         chosen.append(LineHook(line_hooks.TensorBoardLog(out.path / "tensorboard")))
+    if config.mlflow:
+        chosen.append(MLflowLog(config.mlflow))
     if on_round is not None:
         chosen.append(OnRound(on_round))
     chosen += [ProgressBar(), StrategyRecords(), Checkpoint(out, schedule), Anchor(schedule), Curves()]

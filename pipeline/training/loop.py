@@ -241,6 +241,7 @@ class _Loop:
             with task_stream.reader(self.client) as stream, \
                     recovery.quiet_connection_loss() as quiet:
                 state = self._recovering(stream, quiet)
+            return self._finish(state, info)  # before finalize: MLflow uploads its files
         except BaseException as exc:
             for extension in self.extensions:
                 extension.on_error(exc)
@@ -248,7 +249,6 @@ class _Loop:
         finally:
             for extension in self.extensions:
                 extension.finalize()
-        return self._finish(state, info)
 
     # ---- the loop ------------------------------------------------------------------------------
     def _rounds(self, attempt: Attempt, stream) -> HostState:

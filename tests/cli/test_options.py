@@ -174,7 +174,8 @@ def test_building_the_parser_imports_no_chainer_and_no_strategies():
 
 def test_the_readme_names_only_options_that_exist():
     readme = (Path(__file__).parents[2] / "README.md").read_text()
-    other_tools = {"--logdir", "--no-build-isolation"}  # tensorboard's, pip's
+    other_tools = {"--logdir", "--no-build-isolation",  # tensorboard's, pip's
+                   "--host", "--port", "--backend-store-uri", "--artifacts-destination"}  # mlflow's
     named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", readme)) - other_tools
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
