@@ -10,7 +10,6 @@ import pytest
 from pipeline.core import keys
 from pipeline.training import recovery
 from pipeline.training import strategies
-from pipeline.core.config import STRATEGIES
 from pipeline.core.errors import ClusterError
 from pipeline.training.telemetry import StageClock
 from tests.clusters import REPO
@@ -122,11 +121,23 @@ def test_pure_modules_import_neither_dask_nor_chainer():
 
 
 def test_every_registered_strategy_loads_and_the_config_knows_it():
-    assert STRATEGIES == strategies.NAMES
+    """The config keeps no copy of the registry's names: it checks their form, the registry the
+    name (a new strategy is its module plus its REGISTRY line)."""
+    from pipeline.core.config import Config
     for name in strategies.NAMES:
+        Config().replace(**{"train.strategy": name, "train.replicas": 1}).validate()
         assert strategies.get(name).name == name
     with pytest.raises(ValueError, match="train.strategy must be one of"):
         strategies.get("hogwild")
+
+
+@pytest.mark.parametrize("field, name", [("train.strategy", "hogwild"),
+                                         ("average.algorithm", "ring")])
+def test_a_name_no_registry_holds_is_refused_before_any_cluster(field, name):
+    from pipeline.core.config import Config
+    from pipeline.training import prepare
+    with pytest.raises(ValueError, match=rf"{field} must be one of \(.*\), got '{name}'"):
+        prepare.normalise(Config().replace(**{field: name}))
 
 
 def test_keys_round_trip():
@@ -376,3 +387,10 @@ def test_the_architecture_map_names_every_module():
     unmapped = [m for m in modules if m.split("/")[-1][:-3] not in words
                 and not (f"{m.split('/')[-2]}/" in unit and f"{m.split('/')[-2]}/" in words)]
     assert (unnamed, absent, unmapped) == ([], [], [])
+
+
+def test_docs_results_is_generated_from_the_benchmarks_json_lines():
+    """docs/results.md is derived from docs/benchmarks.md (each figure kept once): current."""
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "results.py"), "--check"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

@@ -213,7 +213,12 @@ def _registries() -> dict:
         from augment import POLICIES
         return tuple(POLICIES)
 
-    return {"model.name": models, "train.strategy": strategies, "augment.policy": policies}
+    def algorithms():
+        from pipeline.averaging.algorithms import names
+        return names()
+
+    return {"model.name": models, "train.strategy": strategies, "augment.policy": policies,
+            "average.algorithm": algorithms}
 
 
 def choices(dest: str, declared: tuple = ()) -> tuple:

@@ -14,16 +14,16 @@ from dataclasses import dataclass, field
 from pipeline.core.config_cluster import DAY_S, ClusterConfig, dashboard_port
 from pipeline.core.config_data import (CACHE_MODES, CPU_KERNELS, DATASETS, LABEL_KINDS,
                                        KIND_FORM, AugmentConfig, DataConfig, ModelConfig)
-from pipeline.core.config_train import (ASYNC_ORDERS, ASYNC_PUSHES, AVERAGE_ALGORITHMS, DEVICES,
-                                        LR_DECAYS, LR_SCALINGS, MAX_EPOCHS, MAX_REPLICAS,
+from pipeline.core.config_train import (ASYNC_ORDERS, ASYNC_PUSHES, DEVICES, LR_DECAYS,
+                                        LR_SCALINGS, MAX_EPOCHS, MAX_REPLICAS, NAME_FORM,
                                         OPT_STATE_MODES, OPTIMIZERS, STALENESS_SCALINGS,
-                                        STRATEGIES, AsyncConfig, AverageConfig, TrainConfig)
+                                        AsyncConfig, AverageConfig, TrainConfig)
 from pipeline.core.fields import (WORDS, check, is_json_object, is_kind, is_tracking_uri, opt,
                                   short)
 
 __all__ = ("Config", "DataConfig", "AugmentConfig", "ModelConfig", "TrainConfig",
-           "AverageConfig", "AsyncConfig", "ClusterConfig", "STRATEGIES", "OPTIMIZERS", "DEVICES",
-           "OPT_STATE_MODES", "LR_SCALINGS", "LR_DECAYS", "CPU_KERNELS", "AVERAGE_ALGORITHMS",
+           "AverageConfig", "AsyncConfig", "ClusterConfig", "OPTIMIZERS", "DEVICES",
+           "OPT_STATE_MODES", "LR_SCALINGS", "LR_DECAYS", "CPU_KERNELS", "NAME_FORM",
            "CACHE_MODES", "DATASETS", "KIND_FORM", "LABEL_KINDS", "ASYNC_ORDERS",
            "ASYNC_PUSHES", "STALENESS_SCALINGS", "MAX_EPOCHS", "MAX_REPLICAS", "DAY_S",
            "dashboard_port", "is_json_object", "opt")

@@ -9,7 +9,10 @@ from dataclasses import dataclass
 
 from pipeline.core.fields import check, check_types, in_range, is_json_object, opt
 
-STRATEGIES = ("single", "gradient", "mixture", "ipm", "async")  # pipeline.training.strategies
+# The names of strategies and averaging algorithms are their registries' (pipeline.training.
+# strategies.REGISTRY, pipeline.averaging.algorithms.ALGORITHMS): checked there, so a new one is
+# its module plus its registry line; here only their form (core cannot import those packages).
+NAME_FORM = re.compile(r"[a-z][a-z0-9_-]{0,39}")
 #                                         registers one class per name (a test checks both agree)
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
@@ -17,7 +20,6 @@ DEVICES = ("cpu", "gpu", "auto")
 OPT_STATE_MODES = ("auto", "keep", "reset", "average")
 LR_SCALINGS = ("auto", "none", "linear", "sqrt")
 LR_DECAYS = ("none", "cosine")
-AVERAGE_ALGORITHMS = ("auto", "tree", "gather", "sharded", "hierarchical")
 MAX_EPOCHS = 100_000.0
 MAX_REPLICAS = 4096  # also what a checkpoint may hold (pipeline.outputs.checkpoint reads it)
 _OPTIMIZER = re.compile(r"^[A-Z][A-Za-z0-9_]{0,63}$")  # a class name: chainer.optimizers.RMSprop
@@ -82,8 +84,8 @@ class TrainConfig:
 
     def validate(self) -> None:
         check_types(self, "train.")
-        check(self.strategy in STRATEGIES, "train.strategy", f"must be one of {STRATEGIES}",
-               self.strategy)
+        check(bool(NAME_FORM.fullmatch(self.strategy)), "train.strategy",
+              "must be a strategy's name (pipeline.training.strategies.REGISTRY)", self.strategy)
         check(self.replicas >= 1, "train.replicas", "must be >= 1", self.replicas)
         check(self.replicas <= MAX_REPLICAS, "train.replicas", f"must be <= {MAX_REPLICAS}",
                self.replicas)
@@ -149,7 +151,7 @@ class AverageConfig:
                          "gather: each worker adds every state itself; sharded: reduce-scatter + "
                          "all-gather; hierarchical: each host adds its own replicas first); all "
                          "give the same bits (pipeline.averaging.algorithms)", flag="--average",
-                         metavar="ALGORITHM", choices=AVERAGE_ALGORITHMS)
+                         metavar="ALGORITHM")
     shards: int = opt(0, "sharded/hierarchical: shards S of the state (0: one per host, one per "
                       "worker on one host)", flag="--shards", metavar="S", unit="shards")
     link_gbps: float = opt(10.0, "link rate between hosts that auto's cost model assumes",
@@ -171,8 +173,9 @@ class AverageConfig:
                self.outer_momentum)
         check(self.optimizer_state in OPT_STATE_MODES, "average.optimizer_state",
                f"must be one of {OPT_STATE_MODES}", self.optimizer_state)
-        check(self.algorithm in AVERAGE_ALGORITHMS, "average.algorithm",
-               f"must be one of {AVERAGE_ALGORITHMS}", self.algorithm)
+        check(bool(NAME_FORM.fullmatch(self.algorithm)), "average.algorithm",
+              "must be an algorithm's name (pipeline.averaging.algorithms.ALGORITHMS)",
+              self.algorithm)
         in_range(self.shards, 0, 1024, "average.shards")  # tasks per average grow with S
         in_range(self.link_gbps, 0, 10_000, "average.link_gbps", closed_lo=False)
 

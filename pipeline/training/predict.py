@@ -133,9 +133,11 @@ def _data_record(out: Path) -> dict | None:
             and record.get("n_classes") == len(names) and 2 <= len(names) <= MAX_CLASSES):
         raise DataError(f"{path}: no list of class names matching n_classes")
     check_class_names(tuple(names), str(path))
-    from pipeline.data.datasets import KINDS
-    if record.get("kind") not in KINDS:
-        raise DataError(f"{path}: kind must be one of {', '.join(KINDS)}")
+    from pipeline.data.datasets import facts
+    try:
+        facts(record.get("kind"))  # a kind some registered reader records
+    except DataError as exc:
+        raise DataError(f"{path}: {exc}") from None
     shape = record.get("image_shape")
     if shape is not None and not (isinstance(shape, list) and len(shape) == 3
                                   and all(type(d) is int for d in shape) and shape[0] == 3

@@ -35,7 +35,10 @@ def normalise(config: Config) -> Config:
     backend = get_backend(config.model.backend)  # the framework, resolved once a run
     backend.check_model(config.model.name)  # a name, or the form pkg.module:factory
     aug.get_policy(config.augment.policy)  # ValueError naming augment.policy
-    strategy = strategies.get(config.train.strategy)
+    strategy = strategies.get(config.train.strategy)  # ValueError naming the registry's names
+    from pipeline.averaging import algorithms
+    if config.average.algorithm != "auto":
+        algorithms.get(config.average.algorithm)  # the same for the averaging algorithm
     strategy.check(config)
     config = strategy.resolve(config)
     backend.check_optimizer(config.train)  # its name and arguments, one line

@@ -13,7 +13,7 @@ BAD = [
     ({"train.replicas": 0}, "train.replicas"),
     ({"average.mix_every": "0"}, "average.mix_every"),
     ({"average.mix_every": "often"}, "average.mix_every"),
-    ({"train.strategy": "hogwild"}, "train.strategy"),
+    ({"train.strategy": "Hog wild!"}, "train.strategy"),  # a name the registry checks: below
     ({"train.lr": -1.0}, "train.lr"),
     ({"train.optimizer": "rmsprop"}, "train.optimizer"),
     ({"train.device": "tpu"}, "train.device"),

@@ -21,14 +21,12 @@ from typing import NamedTuple
 from pipeline.averaging import cost
 from pipeline.averaging.algorithms import gather, hierarchical, sharded, tree
 from pipeline.averaging.algorithms.base import Context
-from pipeline.core.config_train import AVERAGE_ALGORITHMS
 from pipeline.averaging.placement import Placement, place
 
 ALGORITHMS = {"tree": tree, "gather": gather, "sharded": sharded, "hierarchical": hierarchical}
 LOCAL = ("tree", "gather")  # the algorithms that run on one host without a placement
 MODELLED = ("tree", "sharded", "hierarchical")  # auto's candidates across hosts (the cost
 #             model's): gather would send every state over every link
-assert AVERAGE_ALGORITHMS == ("auto", *ALGORITHMS)
 
 
 class Plan(NamedTuple):
@@ -39,10 +37,15 @@ class Plan(NamedTuple):
     description: str  # one line for the log
 
 
+def names() -> tuple:
+    """What ``average.algorithm`` accepts: auto and the registered algorithms."""
+    return ("auto", *ALGORITHMS)
+
+
 def get(name: str):
-    """The module of algorithm ``name``."""
+    """The module of algorithm ``name``; ValueError naming the field for any other name."""
     if name not in ALGORITHMS:
-        raise ValueError(f"average.algorithm must be one of {AVERAGE_ALGORITHMS}, got {name!r}")
+        raise ValueError(f"average.algorithm must be one of {names()}, got {name!r}")
     return ALGORITHMS[name]
 
 
