@@ -37,6 +37,16 @@ def reference(dask_client) -> dict:
     return train(config, client=dask_client).params
 
 
+def _quoted_as_printed(line: str, out: Path) -> None:
+    """docs/reliability.md quotes the interrupt line: the quote has the printed line's shape."""
+    import re
+    shape = lambda text: re.sub(r"\d+", "N", re.sub(r"SIG[A-Z]+", "SIG", text))  # noqa: E731
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "reliability.md").read_text()
+    quoted = re.findall(r"`(interrupted after round [^`]*)`", docs)
+    assert quoted and all(shape(q) == shape(line.replace(str(out), "OUT")) for q in quoted), \
+        (quoted, line)
+
+
 def _stop_with(sig: int, driver: subprocess.Popen, out: Path, after: int) -> int:
     """Send ``sig`` to the driver's process group once round ``after`` is reported; check the
     exit status, the one line and the checkpoint; return the round it stopped after."""
@@ -51,6 +61,7 @@ def _stop_with(sig: int, driver: subprocess.Popen, out: Path, after: int) -> int
     assert last.startswith("interrupted after round ") and last.endswith(
         f"rounds done; {signal.Signals(sig).name}); checkpoint saved; resume: python -m "
         f"pipeline train --resume {out}"), last
+    _quoted_as_printed(last, out)
     stopped = int(last.split()[3])
     assert f"round {stopped} ({stopped + 1} of {ROUNDS} rounds done;" in last, last  # one count
     assert after <= stopped < ROUNDS - 1
