@@ -76,8 +76,8 @@ def import_factory(path: str, flag: str = "--model"):
 def path_of(factory) -> str:
     """The import path a factory is recorded under: ``module:qualname``.
 
-    >>> path_of(functools.partial(is_import_path))
-    'pipeline.backends.user:is_import_path'
+    >>> path_of(functools.partial(needs_model))
+    'pipeline.backends.user:needs_model'
     """
     if isinstance(factory, functools.partial):
         factory = factory.func
