@@ -37,6 +37,19 @@ class ModelRef(NamedTuple):
     global_rng: bool = True  # may draw from Chainer's / NumPy's global RNG (F.dropout, initializers)
 
 
+class OptimizerRef(NamedTuple):
+    """The user's optimizer: a factory checked on the driver and called in every task that
+    steps (``train(config, optimizer=...)``). It takes no argument and returns an optimizer the
+    task sets up on the replica's model, or takes the model and returns an optimizer set up on
+    it, hooks added (``takes_link``). ``factory`` travels like ``ModelRef.factory``; ``path`` is
+    what ``config.json`` records in ``train.optimizer``; ``lr`` the learning rate (Adam's alpha)
+    the factory gave it, the base of the run's schedule (``train.lr``), None when it has none."""
+    path: str
+    factory: Any
+    takes_link: bool
+    lr: float | None
+
+
 def model_label(model) -> str:
     """The name a log line or a title gives a model: its registry name or its import path.
 
@@ -64,13 +77,20 @@ class Backend(Protocol):
         """The models the backend builds by name (its registry)."""
 
     def resolve_model(self, name: str, args: str, factory: Any, size: tuple,
-                      n_classes: int, train: Any = None) -> "str | ModelRef":
+                      n_classes: int, train: Any = None,
+                      optimizer: "OptimizerRef | None" = None) -> "str | ModelRef":
         """The model a run trains: a registry name as it is, else a ``ModelRef`` for ``factory``
         (a callable, or an import path ``"pkg.module:factory"`` the user named: imported here)
         or for one of the framework's own architectures, checked by one dry forward of a tiny
         batch at ``size`` and, with ``train`` (the config's train section), one training step
-        with its optimizer; UsageError (one line) naming what failed, also for ``args`` given
-        to a built-in model. ``name`` from a config file alone is never imported."""
+        with its optimizer (``optimizer``: the user's); UsageError (one line) naming what
+        failed, also for ``args`` given to a built-in model. ``name`` from a config file alone is never imported."""
+
+    def resolve_optimizer(self, factory: Any, train: Any) -> OptimizerRef:
+        """The user's optimizer (a callable, or an import path the user named: imported here),
+        checked by one update of a small model; UsageError (one line) naming what failed, also
+        for ``train`` (the config's train section) settings that only an optimizer by name
+        takes (weight decay, clipping, its arguments: hooks and arguments of the factory)."""
 
     def gpu_report(self) -> tuple[str | None, str]:
         """On a worker: (None, one line on the framework's CUDA stack), or (why it cannot use

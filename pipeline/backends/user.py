@@ -12,24 +12,12 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import re
 import sys
 import sysconfig
 import types
 
 from pipeline.core.errors import UsageError, one_line
-
-IMPORT_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
-                         r":[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
-
-
-def is_import_path(name: str) -> bool:
-    """Whether ``name`` has the form of an import path ``pkg.module:factory``.
-
-    >>> is_import_path("mymodels.nets:Net"), is_import_path("small-cnn"), is_import_path("os:")
-    (True, False, False)
-    """
-    return isinstance(name, str) and bool(IMPORT_PATH.match(name))
+from pipeline.core.fields import IMPORT_PATH, is_import_path  # noqa: F401  (re-exported)
 
 
 def needs_model() -> UsageError:
@@ -38,6 +26,13 @@ def needs_model() -> UsageError:
     return UsageError("this run's model is your own code, which a run directory never imports: "
                       "name it again (--model pkg.module:factory on the command line, model=... "
                       "in Python)")
+
+
+def needs_optimizer() -> UsageError:
+    """``needs_model``'s line for the user's optimizer factory recorded in ``train.optimizer``."""
+    return UsageError("this run's optimizer is your own code, which a run directory never "
+                      "imports: name it again (--optimizer pkg.module:factory on the command "
+                      "line, optimizer=... in Python)")
 
 
 def paired(recorded: str, named: str) -> None:
@@ -55,11 +50,13 @@ def paired(recorded: str, named: str) -> None:
                          f"model")
 
 
-def import_factory(path: str):
-    """The object ``pkg.module:factory`` names, imported now (only for a path the user gave)."""
+def import_factory(path: str, flag: str = "--model"):
+    """The object ``pkg.module:factory`` names, imported now (only for a path the user gave to
+    ``flag``: --model, --optimizer)."""
     if not is_import_path(path):
-        raise UsageError(f"--model {path[:80]!r} is neither a model name nor an import path "
-                         f"pkg.module:factory")
+        what = flag.lstrip("-")
+        raise UsageError(f"{flag} {path[:80]!r} is neither {'an' if what[0] in 'aeiou' else 'a'} "
+                         f"{what} name nor an import path pkg.module:factory")
     module_name, attr = path.split(":")
     try:
         obj = importlib.import_module(module_name)
@@ -67,11 +64,11 @@ def import_factory(path: str):
         raise
     except BaseException as exc:  # the user's module: any error is theirs to see, in one line
         # (a SystemExit too: sys.exit() at import ended the CLI with exit 0 and no word)
-        raise UsageError(f"--model {path}: cannot import {module_name} "
+        raise UsageError(f"{flag} {path}: cannot import {module_name} "
                          f"({one_line(exc, limit=200)})") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise UsageError(f"--model {path}: {module_name} has no {attr}")
+            raise UsageError(f"{flag} {path}: {module_name} has no {attr}")
         obj = getattr(obj, part)
     return obj
 
@@ -79,8 +76,8 @@ def import_factory(path: str):
 def path_of(factory) -> str:
     """The import path a factory is recorded under: ``module:qualname``.
 
-    >>> path_of(functools.partial(is_import_path))
-    'pipeline.backends.user:is_import_path'
+    >>> path_of(functools.partial(needs_model))
+    'pipeline.backends.user:needs_model'
     """
     if isinstance(factory, functools.partial):
         factory = factory.func

@@ -206,10 +206,12 @@ def _run_train(args) -> int:
     page = dashboard.DashboardEvents(run=Path(config.out).name)  # the /training page of this run
     named = options.given(args, TRAIN_OPTIONS).get("model.name")
     model = named if named and user_code.is_import_path(named) else None  # the user named it
+    opt = options.given(args, TRAIN_OPTIONS).get("train.optimizer")
+    opt = opt if opt and user_code.is_import_path(opt) else None  # the user's factory, named
     try:
         with graceful_stop() as stop, dashboard.dashboard_log(Path(config.out) / "dashboard.log"):
             stop.in_setup = True  # a signal stops at once until the rounds start
-            result = train(config, model=model, resume=bool(args.resume),
+            result = train(config, model=model, optimizer=opt, resume=bool(args.resume),
                            overwrite=args.overwrite, stop=stop, hooks=[page])
     except ForcedStop as exc:  # a second Ctrl-C: stopped mid-round, still one line and a hint
         if exc.in_setup:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from pipeline.core.fields import check, check_types, in_range, is_json_object, opt
+from pipeline.core.fields import (check, check_types, in_range, is_import_path,
+                                  is_json_object, opt)
 
 # The names of strategies and averaging algorithms are their registries' (pipeline.training.
 # strategies.REGISTRY, pipeline.averaging.algorithms.ALGORITHMS): checked there, so a new one is
@@ -42,9 +43,10 @@ class TrainConfig:
                         unit="epochs")
     batch_size: int = opt(64, "images per replica per step (B); gradient's global batch is K x B",
                           flag="--batch-size", metavar="B", unit="images")
-    optimizer: str = opt("momentum", "the replicas' optimizer: sgd, momentum, adam, or any "
-                         "class of chainer.optimizers by name (RMSprop, AdaGrad, AdamW, ...)",
-                         flag="--optimizer", metavar="NAME")
+    optimizer: str = opt("momentum", "the replicas' optimizer: sgd, momentum, adam, any class "
+                         "of chainer.optimizers by name (RMSprop, AdaGrad, AdamW, ...), or your "
+                         "own factory pkg.module:factory (README, 'Your own model'; named again "
+                         "to resume)", flag="--optimizer", metavar="NAME")
     optimizer_args: str = opt("{}", "keyword arguments of the optimizer, a JSON object (its "
                               "learning rate is --lr)", flag="--optimizer-args", metavar="JSON")
     lr: float = opt(0.01, "learning rate of each replica (adam: alpha), before scaling and "
@@ -97,9 +99,10 @@ class TrainConfig:
         check(self.batch_size >= 1, "train.batch_size", "must be >= 1", self.batch_size)
         check(self.batch_size <= 1 << 20, "train.batch_size", "must be <= 1048576",
                self.batch_size)
-        check(self.optimizer in OPTIMIZERS or bool(_OPTIMIZER.match(self.optimizer)),
-               "train.optimizer", f"must be one of {OPTIMIZERS} or a class name of "
-               f"chainer.optimizers (RMSprop, AdaGrad, ...)",
+        check(self.optimizer in OPTIMIZERS or bool(_OPTIMIZER.match(self.optimizer))
+              or is_import_path(self.optimizer), "train.optimizer",
+              f"must be one of {OPTIMIZERS}, a class name of chainer.optimizers (RMSprop, "
+              f"AdaGrad, ...) or pkg.module:factory",
                self.optimizer)
         check(is_json_object(self.optimizer_args), "train.optimizer_args",
                "must be a JSON object", self.optimizer_args)

@@ -7,7 +7,11 @@ import dataclasses
 import json
 import math
 import numbers
+import re
 from dataclasses import field
+
+IMPORT_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
+                         r":[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 def opt(default, help: str, *, flag: str | None = None, metavar: str | None = None,
@@ -96,3 +100,13 @@ def is_json_object(text: str) -> bool:
         return isinstance(json.loads(text), dict) and len(text) <= 100_000
     except (ValueError, RecursionError):
         return False
+
+
+def is_import_path(name: str) -> bool:
+    """Whether ``name`` has the form of an import path ``pkg.module:factory`` (the user's model
+    or optimizer, recorded in ``model.name`` / ``train.optimizer``).
+
+    >>> is_import_path("mymodels.nets:Net"), is_import_path("small-cnn"), is_import_path("os:")
+    (True, False, False)
+    """
+    return isinstance(name, str) and bool(IMPORT_PATH.match(name))

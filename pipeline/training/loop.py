@@ -67,8 +67,9 @@ def _log_default(message: str) -> None:
     sys.stderr.flush()
 
 
-def train(config: Config, client=None, *, model=None, data=None, resume: bool = False,
-          overwrite: bool = False, log: Callable[[str], None] | None = None,
+def train(config: Config, client=None, *, model=None, optimizer=None, data=None,
+          resume: bool = False, overwrite: bool = False,
+          log: Callable[[str], None] | None = None,
           on_round: Callable[[dict], None] | None = None, stop=None, hooks=()) -> TrainOutput:
     """Train ``config`` on ``client`` (or on a LocalCluster/scheduler from ``config.cluster``).
 
@@ -86,10 +87,17 @@ def train(config: Config, client=None, *, model=None, data=None, resume: bool = 
     needs it named here again (a run directory never makes us import code). It is checked by one
     dry forward at the data's image size before any cluster starts.
 
+    ``optimizer``: your own, a ``chainer.Optimizer`` class or a Python function (or its import
+    path) taking no argument and returning an optimizer, or taking the model and returning one
+    set up on it with its hooks (``pipeline.backends.chainer.user_optimizers``). Its learning
+    rate becomes ``train.lr`` (the schedule's base) and ``train.optimizer`` records its path; a
+    resume names it again. Checked by one update before any cluster starts.
+
     ``data``: arrays or Chainer datasets to train on instead of ``data.source``
     (pipeline.data.arrays: Dask arrays stay where their chunks are).
     """
     log = log or _log_default
+    config, user_opt = prepare.user_optimizer(config, optimizer)  # before the recipes
     config = prepare.normalise(config)
     config, factory = prepare.user_model(config, model)
     out = outputs.prepare(config.out, resume, overwrite)
@@ -104,8 +112,9 @@ def train(config: Config, client=None, *, model=None, data=None, resume: bool = 
     for note in getattr(dataset, "notes", ()):
         log(note)
     gpus = prepare.check_device(config) if client is None else ()
-    spec = prepare.resolve_model(config, factory, dataset)  # the contract, one dry forward
-    prep = prepare.plan(config, out, dataset, found, spec) if dataset is not None else None
+    spec = prepare.resolve_model(config, factory, dataset, user_opt)  # the contract: one step
+    prep = prepare.plan(config, out, dataset, found, spec, user_opt) if dataset is not None \
+        else None
     if prep is not None and prep.complete:
         return _already_complete(config, out, prep, log)
     from pipeline.cluster.connection import connect
@@ -122,8 +131,8 @@ def train(config: Config, client=None, *, model=None, data=None, resume: bool = 
                    timeout=max(60.0, config.cluster.connect_timeout))  # workers re-import
         if prep is None:
             dataset = prepare.load_dataset(config, client)
-            spec = prepare.resolve_model(config, factory, dataset)  # now with its class count
-            prep = prepare.plan(config, out, dataset, found, spec)
+            spec = prepare.resolve_model(config, factory, dataset, user_opt)  # class count known
+            prep = prepare.plan(config, out, dataset, found, spec, user_opt)
             if prep.complete:
                 return _already_complete(config, out, prep, log)
         # config.json says what was trained: the data's class count (100 for CIFAR-100), its
@@ -131,9 +140,9 @@ def train(config: Config, client=None, *, model=None, data=None, resume: bool = 
         ds = prep.dataset
         config = config.replace(**{"model.n_classes": ds.n_classes, "data.dataset": ds.kind,
                                    "model.input_size": prepare.image_size(config, ds)[0]})
-        kept = kept_split(ds) if out is not None else None
+        kept = prepare.kept_split(ds) if out is not None else None
         run_dir = outputs.RunDir(out, config, log, strategies.get(config.train.strategy).files,
-                                 data=data_record(ds, kept is not None), kept=kept)
+                                 data=prepare.data_record(ds, kept is not None), kept=kept)
         try:
             return _run(client, run_dir, log, prep, stop, resume, overwrite,
                         dict(hooks=hooks, on_round=on_round))
@@ -142,32 +151,6 @@ def train(config: Config, client=None, *, model=None, data=None, resume: bool = 
                 log(f"the new run failed before its first checkpoint; the run it was to replace "
                     f"is back in {out}")
             raise
-
-
-def kept_split(dataset) -> dict | None:
-    """The evaluation split a run keeps (``pipeline.data.kept``) when no source finds its data
-    again: arrays given from Python, up to kept.MAX_KEPT_BYTES; else None."""
-    from pipeline.data import kept
-    from pipeline.data.datasets import facts
-    if facts(dataset.kind).refindable or not kept.fits(dataset.test_images.nbytes):
-        return None
-    import dask
-    return kept.to_keep(*dask.compute(dataset.test_images, dataset.test_labels))
-
-
-def data_record(dataset, kept: bool = False) -> dict:
-    """``OUT/data.json``: what the run's data was (kind, class names, splits and their sizes),
-    for ``predict`` and for readers of the run (pipeline.outputs.run_dir); ``eval_file``: the
-    evaluation split the run kept (pipeline.data.kept), or null."""
-    from pipeline.data.kept import EVAL_FILE
-    return {"kind": dataset.kind, "source": str(dataset.source),
-            "eval_file": EVAL_FILE if kept else None,
-            "class_names": [str(n) for n in dataset.label_names],
-            "n_classes": int(dataset.n_classes),
-            "splits": {"train": dataset.splits[0], "eval": dataset.splits[1]},
-            "images": {dataset.splits[0]: int(dataset.train_images.shape[0]),
-                       dataset.splits[1]: int(dataset.test_images.shape[0])},
-            "image_shape": [int(n) for n in dataset.train_images.shape[1:]]}
 
 
 def _already_complete(config: Config, out, prep: Prepared, log) -> TrainOutput:

@@ -20,7 +20,7 @@ from pipeline.training import strategies
 from pipeline.training.strategies.base import Context
 
 if TYPE_CHECKING:
-    from pipeline.backends import ModelRef
+    from pipeline.backends import ModelRef, OptimizerRef
     from pipeline.cluster.watchdog import Watchdog
     from pipeline.data.datasets import Dataset
     from pipeline.training.graph import RoundGraph
@@ -72,6 +72,26 @@ def user_model(config: Config, model) -> tuple[Config, object]:
     return config.replace(**{"model.name": user_code.path_of(model)}), model
 
 
+def user_optimizer(config: Config, optimizer) -> tuple[Config, object]:
+    """``(config, OptimizerRef)``: the optimizer factory the caller named (``train(optimizer=
+    ...)``: a callable, or an import path, imported now), checked by one update, recorded in
+    ``train.optimizer`` with its learning rate as ``train.lr`` (the base of the run's schedule);
+    ``(config, None)`` for an optimizer by name. A config naming an import path with no
+    ``optimizer`` is one line saying to name it again: never imported."""
+    backend = get_backend(config.model.backend)
+    if optimizer is None:
+        if user_code.is_import_path(config.train.optimizer):
+            raise user_code.needs_optimizer()
+        return config, None
+    if not hasattr(backend, "resolve_optimizer"):
+        raise UsageError(f"model.backend {config.model.backend} takes no optimizer factory")
+    ref = backend.resolve_optimizer(optimizer, config.train)
+    changes = {"train.optimizer": ref.path}
+    if ref.lr is not None:
+        changes["train.lr"] = ref.lr
+    return config.replace(**changes), ref
+
+
 def image_size(config: Config, dataset) -> tuple:
     """(H, W) of the images the model sees: the data's, else what an image reader will make."""
     if dataset is not None:
@@ -83,14 +103,43 @@ def image_size(config: Config, dataset) -> tuple:
     return side, side
 
 
-def resolve_model(config: Config, factory, dataset):
+def resolve_model(config: Config, factory, dataset, optimizer=None):
     """What the tasks build (a registry name, or a ``ModelRef`` checked by a dry forward at the
-    data's size and one training step with the run's optimizer). Without the dataset yet (image
-    folders, scanned on the cluster) the class count is left unchecked until it is known."""
+    data's size and one training step with the run's optimizer: ``optimizer``, the user's
+    ``OptimizerRef``, else train.optimizer by name). Without the dataset yet (image folders,
+    scanned on the cluster) the class count is left unchecked until it is known."""
     n_classes = dataset.n_classes if dataset is not None else None
+    user_opt = {} if optimizer is None else {"optimizer": optimizer}
     return get_backend(config.model.backend).resolve_model(
         config.model.name, config.model.args, factory, image_size(config, dataset), n_classes,
-        train=config.train)
+        train=config.train, **user_opt)
+
+
+# ---- what the run directory records of its data ------------------------------------------
+def kept_split(dataset) -> dict | None:
+    """The evaluation split a run keeps (``pipeline.data.kept``) when no source finds its data
+    again: arrays given from Python, up to kept.MAX_KEPT_BYTES; else None."""
+    from pipeline.data import kept
+    from pipeline.data.datasets import facts
+    if facts(dataset.kind).refindable or not kept.fits(dataset.test_images.nbytes):
+        return None
+    import dask
+    return kept.to_keep(*dask.compute(dataset.test_images, dataset.test_labels))
+
+
+def data_record(dataset, kept: bool = False) -> dict:
+    """``OUT/data.json``: what the run's data was (kind, class names, splits and their sizes),
+    for ``predict`` and for readers of the run (pipeline.outputs.run_dir); ``eval_file``: the
+    evaluation split the run kept (pipeline.data.kept), or null."""
+    from pipeline.data.kept import EVAL_FILE
+    return {"kind": dataset.kind, "source": str(dataset.source),
+            "eval_file": EVAL_FILE if kept else None,
+            "class_names": [str(n) for n in dataset.label_names],
+            "n_classes": int(dataset.n_classes),
+            "splits": {"train": dataset.splits[0], "eval": dataset.splits[1]},
+            "images": {dataset.splits[0]: int(dataset.train_images.shape[0]),
+                       dataset.splits[1]: int(dataset.test_images.shape[0])},
+            "image_shape": [int(n) for n in dataset.train_images.shape[1:]]}
 
 
 # ---- before a cluster starts -----------------------------------------------------------------
@@ -102,6 +151,7 @@ class Prepared(NamedTuple):
     period: int
     state: HostState | None  # the checkpoint a resume goes on from (None: from the start)
     model: str | ModelRef | None = None  # what tasks build (resolve_model)
+    optimizer: OptimizerRef | None = None  # the user's optimizer (None: train.optimizer)
 
     @property
     def complete(self) -> bool:
@@ -168,9 +218,11 @@ def check_device(config: Config) -> list:
 
 
 def plan(config: Config, out, dataset, found: "resuming.Resume | None",
-         model=None) -> Prepared:
+         model=None, optimizer=None) -> Prepared:
     """The plan (the strategy's) and the state to start from; a resume keeps the finished
-    rounds as the checkpoint's run planned them and plans on to ``train.epochs``."""
+    rounds as the checkpoint's run planned them and plans on to ``train.epochs``. ``model``
+    and ``optimizer`` (the user's) are what the tasks build, as ``resolve_model`` and
+    ``user_optimizer`` gave them."""
     strategy = strategies.get(config.train.strategy)
     n_train = int(dataset.train_images.shape[0])
     state, done = None, []
@@ -190,7 +242,7 @@ def plan(config: Config, out, dataset, found: "resuming.Resume | None",
         if trained > config.train.epochs + 1e-9:
             raise ResumeError(f"{out} has trained {trained:g} epochs already, more than "
                               f"--epochs {config.train.epochs:g}")
-    return Prepared(dataset, rounds, per_epoch, period, state, model)
+    return Prepared(dataset, rounds, per_epoch, period, state, model, optimizer)
 
 
 def _check_resumed(config: Config, out, state: HostState, n_classes: int, model=None) -> None:
@@ -269,7 +321,7 @@ def on_cluster(client, config: Config, prep: Prepared, log) -> Setup:
                                    reload=lambda: graph.persist_dataset(client, dataset,
                                                                         resources=augment_res))
     ctx = Context(config, config.train.replicas, data.n_train, prep.per_epoch,
-                  dataset.n_classes, device, tuple(prep.rounds), prep.model)
+                  dataset.n_classes, device, tuple(prep.rounds), prep.model, prep.optimizer)
     setup = Setup(round_graph, watchdog, ctx, strategies.get(config.train.strategy), initial,
                   time.perf_counter() - t0)
     _log_plan(setup, prep, log)

@@ -168,16 +168,19 @@ def resume_hint(out, anchor_round: int, has_checkpoint: bool, config=None) -> st
 
 def resume_command(out, config=None) -> str:
     """The command that goes on with run ``out``, with every option a resume needs: the user's
-    model named again (a run directory never imports code); for data given from Python, the
+    model and optimizer named again (a run directory never imports code); for data given from Python, the
     Python call. ``config`` None: read from ``OUT/config.json`` (the defaults where unreadable).
 
     >>> from pipeline.core.config import Config
     >>> resume_command("runs/a", Config().replace(**{"model.name": "nets:Net"}))
     'python -m pipeline train --resume runs/a --model nets:Net'
+    >>> resume_command("runs/a", Config().replace(**{"train.optimizer": "nets:opt"}))
+    'python -m pipeline train --resume runs/a --optimizer nets:opt'
     >>> resume_command("runs/b", Config().replace(**{"data.dataset": "arrays"}))
     'train(config, data=<the same arrays>, resume=True) in Python (out=runs/b)'
     """
     from pipeline.backends import get_backend
+    from pipeline.core.fields import is_import_path
     from pipeline.data.datasets import facts
     config = config if config is not None else _saved_config(out)
     if config is not None and not facts(config.data.dataset).refindable:
@@ -186,6 +189,8 @@ def resume_command(out, config=None) -> str:
     name = config.model.name if config is not None else ""
     if name and name not in get_backend(config.model.backend).model_names():
         command += f" --model {name}"
+    if config is not None and is_import_path(config.train.optimizer):
+        command += f" --optimizer {config.train.optimizer}"
     return command
 
 

@@ -22,14 +22,15 @@ from pipeline.core.threads import worker_threads
 from pipeline.data.readers import Shard
 
 if TYPE_CHECKING:
-    from pipeline.backends import ModelRef
+    from pipeline.backends import ModelRef, OptimizerRef
 
 
 class StepSpec(NamedTuple):
     """Everything a train task needs besides its state and its shard."""
     model: str | ModelRef  # a registry name, or the user's model (its factory travels in it)
     n_classes: int
-    optimizer: str  # sgd | momentum | adam | a class name of the framework's optimizers
+    optimizer: str | OptimizerRef  # sgd | momentum | adam | a class name of the framework's
+    #                                optimizers | the user's factory (it travels in it)
     momentum: float
     weight_decay: float
     lrs: tuple  # learning rate of each local step; its length is the number of steps

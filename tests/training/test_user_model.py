@@ -1,7 +1,8 @@
 """A model of the user's, written with stock Chainer links in a module outside the repository:
 every strategy trains it, its dropout and lazily sized layer are seeded from the run seed
 (1 vs 3 workers, interrupted + resumed), frozen layers stay put, BatchNorm statistics are
-state; any Chainer optimizer by name; starting weights from a file."""
+state; any Chainer optimizer by name; models written as Chainer users write them (Sequential,
+ChainList, lambda layers) with their own optimizer; starting weights from a file."""
 from __future__ import annotations
 
 import sys
@@ -36,6 +37,47 @@ MODULE = textwrap.dedent('''
             h = F.relu(self.bn(self.conv(x)))
             h = F.dropout(F.max_pooling_2d(h, 4), 0.3)
             return self.fc(h)
+
+
+    def sequential(n_classes=10):
+        """Lazily sized links, functions and lambda layers in a chainer.Sequential."""
+        return chainer.Sequential(
+            L.Convolution2D(None, 4, 3, pad=1), F.relu, lambda x: F.max_pooling_2d(x, 2),
+            L.Convolution2D(None, 4, 3, pad=1), L.BatchNormalization(4), F.relu,
+            lambda x: F.dropout(x, 0.3), L.Linear(None, n_classes))
+
+
+    class Block(chainer.Chain):
+        def __init__(self, width):
+            super().__init__()
+            with self.init_scope():
+                self.conv = L.Convolution2D(None, width, 3, pad=1)
+                self.bn = L.BatchNormalization(width)
+
+        def forward(self, x):
+            return F.relu(x + self.bn(self.conv(x)))
+
+
+    class Residual(chainer.ChainList):
+        """A ChainList of residual blocks between a lazily sized stem and head."""
+        def __init__(self, n_classes=10, width=4, blocks=2):
+            super().__init__(L.Convolution2D(None, width, 3, pad=1),
+                             *[Block(width) for _ in range(blocks)], L.Linear(None, n_classes))
+
+        def forward(self, x):
+            h = F.max_pooling_2d(self[0](x), 4)
+            for block in self[1:-1]:
+                h = block(h)
+            return self[-1](F.dropout(h, 0.3))
+
+
+    def hooked(link):
+        """The optimizer the Chainer way: set up on the model, then hooks."""
+        opt = chainer.optimizers.MomentumSGD(lr=0.05, momentum=0.9)
+        opt.setup(link)
+        opt.add_hook(chainer.optimizer_hooks.WeightDecay(1e-3))
+        opt.add_hook(chainer.optimizer_hooks.GradientClipping(1.0))
+        return opt
 ''')
 
 BASE = {"data.source": "synthetic:240:60", "train.batch_size": 20, "train.epochs": 1,
@@ -136,6 +178,38 @@ def test_interrupted_and_resumed_equals_uninterrupted(user_module, dask_client, 
     model = load_model(tmp_path / "whole", model=user_module.Net)
     from pipeline.backends.chainer.state import get_state
     assert_same_bits(get_state(model), whole.params)
+
+
+@pytest.mark.parametrize("factory", ["sequential", "Residual"])
+def test_chainer_style_models_with_their_optimizer_on_1_and_2_workers_and_resumed(
+        user_module, dask_client, tmp_path, factory):
+    """A Sequential with lambda layers and a ChainList of residual blocks, lazily sized, with
+    dropout and BatchNorm, trained by ipm with an optimizer set up the Chainer way (hooks
+    added after setup): the same bits on 1 and 2 workers, and interrupted + resumed."""
+    import distributed
+    cfg = make_config(BASE, **{"data.source": "synthetic:96:24", "train.batch_size": 8,
+                               "train.strategy": "ipm", "train.replicas": 2, "train.epochs": 2,
+                               "model.args": "{}", "checkpoint_every": 1,
+                               "average.optimizer_state": "average"})
+    build, opt = getattr(user_module, factory), user_module.hooked
+    whole = train(cfg.replace(out=str(tmp_path / "whole")), client=dask_client, model=build,
+                  optimizer=opt)
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                                  dashboard_address="127.0.0.1:0") as cluster, \
+            distributed.Client(cluster, set_as_default=False) as client:
+        one = train(cfg, client=client, model=build, optimizer=opt)
+    assert_same_bits(whole.params, one.params)
+
+    def stop(line):
+        if line["round"] == 1:
+            raise _Stop
+
+    cut = cfg.replace(out=str(tmp_path / "cut"))
+    with pytest.raises(_Stop):
+        train(cut, client=dask_client, model=build, optimizer=opt, on_round=stop)
+    resumed = train(cut, client=dask_client, resume=True, model=f"usernets:{factory}",
+                    optimizer="usernets:hooked")
+    assert_same_bits(whole.params, resumed.params)
 
 
 @pytest.mark.parametrize("optimizer, args", [("RMSprop", '{"alpha": 0.9}'), ("AdaGrad", '{}'),

@@ -12,9 +12,9 @@ import json
 import numpy as np
 
 import augment
-from pipeline.backends import ModelRef, State, StepStats
+from pipeline.backends import ModelRef, OptimizerRef, State, StepStats
 from pipeline.backends.chainer import compat
-from pipeline.backends.chainer.compat import F, L, chainer
+from pipeline.backends.chainer.compat import F, chainer
 from pipeline.backends.chainer.cpu_kernels import stock as stock_kernels
 from pipeline.backends.chainer.gpu_kernels import fused_update
 from pipeline.backends.chainer.state import (build, cached_model, get_optimizer_state,
@@ -137,10 +137,16 @@ def _seeded(spec):
 
 
 def _optimizer(spec, model, opt_state: State | None):
-    optimizer = setup_optimizer(
-        make_optimizer(spec.optimizer, spec.lrs[0], spec.momentum, spec.weight_decay,
-                       (spec.beta1, spec.beta2), spec.eps, spec.optimizer_args,
-                       spec.grad_clip), model)
+    if isinstance(spec.optimizer, OptimizerRef):  # the user's factory, its hooks its own
+        from pipeline.backends.chainer.user_optimizers import create
+        with _user_code(spec, "optimizer factory"):
+            optimizer = create(spec.optimizer, model)
+        set_lr(optimizer, spec.lrs[0])
+    else:
+        optimizer = setup_optimizer(
+            make_optimizer(spec.optimizer, spec.lrs[0], spec.momentum, spec.weight_decay,
+                           (spec.beta1, spec.beta2), spec.eps, spec.optimizer_args,
+                           spec.grad_clip), model)
     if opt_state is not None:
         set_optimizer_state(optimizer, opt_state)
     return optimizer
@@ -180,12 +186,13 @@ def _steps(model, optimizer, images, labels, spec, rng) -> tuple:
 
 def _dry_update(optimizer) -> None:
     """One update of ``optimizer`` (set up with its hooks) on a 2 -> 2 Linear, on the host."""
-    link = L.Linear(2, 2, initialW=np.eye(2, dtype=np.float32))
-    setup_optimizer(optimizer, link)
-    loss = F.sum(link(np.ones((2, 2), np.float32)))
-    link.cleargrads()
-    loss.backward()
-    optimizer.update()
+    from pipeline.backends.chainer.user_optimizers import dry_update
+    dry_update(lambda link: setup_optimizer(optimizer, link))
+
+
+# what an optimizer by name takes from the train section, and its hooks: a factory's own
+BY_NAME_ONLY = (("weight_decay", 0.0, "WeightDecay hook"), ("grad_clip", 0.0,
+                "GradientClipping hook"), ("optimizer_args", "{}", "arguments"))
 
 
 class ChainerBackend:
@@ -198,7 +205,8 @@ class ChainerBackend:
         from pipeline.backends.chainer.user_models import ZOO
         return (*MODELS, *ZOO)
 
-    def resolve_model(self, name, args, factory, size, n_classes, train=None):
+    def resolve_model(self, name, args, factory, size, n_classes, train=None,
+                      optimizer=None):
         from pipeline.backends.chainer import user_models
         from pipeline.backends.chainer.models import MODELS
         if factory is None and name in (*MODELS, *user_models.ZOO) and json.loads(args or "{}"):
@@ -211,13 +219,24 @@ class ChainerBackend:
             from pipeline.backends.user import needs_model
             raise needs_model()
         return user_models.check(user_models.make_ref(name, args, factory, size), n_classes,
-                                 train=train)
+                                 train=train, optimizer=optimizer)
+
+    def resolve_optimizer(self, factory, train):
+        from pipeline.backends.chainer import user_optimizers
+        for field, default, theirs in BY_NAME_ONLY:
+            if getattr(train, field) != default:
+                raise UsageError(f"train.{field} is for an optimizer by name; your optimizer "
+                                 f"factory sets its own (Chainer's {theirs}, in the factory)")
+        return user_optimizers.check(user_optimizers.make_ref(factory))
 
     def gpu_report(self) -> tuple[str | None, str]:
         reason = compat.cuda_status(check_device=True)
         return (reason, "") if reason else (None, compat.cuda_summary())
 
     def check_optimizer(self, train) -> None:
+        from pipeline.backends.user import is_import_path
+        if is_import_path(train.optimizer):
+            return  # the user's factory: resolve_optimizer checks it
         try:
             optimizer = make_optimizer(train.optimizer, train.lr, train.momentum,
                                        train.weight_decay, (train.beta1, train.beta2),

@@ -241,6 +241,14 @@ def set_lr(optimizer, lr: float) -> None:
         optimizer.lr = lr
 
 
+def get_lr(optimizer) -> float | None:
+    """The learning rate ``set_lr`` sets (Adam's kin: alpha); None for an optimizer without."""
+    if _alpha_is_lr(type(optimizer)):
+        return float(optimizer.alpha)
+    hyper = optimizer.hyperparam.get_dict()
+    return float(hyper["lr"]) if "lr" in hyper else None
+
+
 _links = threading.local()
 
 

@@ -116,11 +116,11 @@ def _dumps(obj) -> bytes:
     return buffer.getvalue()
 
 
-def _ship(path: str, factory) -> Shipped:
+def _ship(path: str, factory, what: str = "model") -> Shipped:
     try:
         return Shipped(factory, _dumps(factory))
     except Exception as exc:
-        raise UsageError(f"model {path} cannot be sent to the workers: "
+        raise UsageError(f"{what} {path} cannot be sent to the workers: "
                          f"{one_line(exc, limit=200)}") from None
 
 
@@ -162,7 +162,8 @@ def check_factory(path: str, factory) -> None:
                          f"chainer.Link")
 
 
-def check(ref: ModelRef, n_classes: int | None, seed: int = 0, train=None) -> ModelRef:
+def check(ref: ModelRef, n_classes: int | None, seed: int = 0, train=None,
+          optimizer=None) -> ModelRef:
     """The contract, before a cluster starts: the factory returns a ``chainer.Link`` that maps a
     (2, 3, H, W) float32 batch at the data's size to (2, n_classes) (n_classes None: not known
     yet, any class count); with ``train`` (the config's train section) also one step as a task
@@ -177,7 +178,7 @@ def check(ref: ModelRef, n_classes: int | None, seed: int = 0, train=None) -> Mo
         link = build(ref, n_classes, seed)
         if train is not None:
             with seeded_globals(seed, "contract"):
-                _dry_step(ref, link, n_classes, train)
+                _dry_step(ref, link, n_classes, train, optimizer)
     return ref
 
 
@@ -223,13 +224,14 @@ def _dry_forward(ref: ModelRef, link, n_classes: int) -> None:
         raise _shape_error(ref, y, DRY_BATCH, n_classes, "")
 
 
-def _dry_step(ref: ModelRef, link, n_classes: int | None, train) -> None:
+def _dry_step(ref: ModelRef, link, n_classes: int | None, train, user_opt=None) -> None:
     """One training step as a task takes it: a training-mode forward of ``min(batch_size,
     STEP_BATCH)`` random images (a model whose BatchNorm, dropout or reshape only breaks in
     training mode, or at a real batch size), the output checked against that batch, a backward
     of the softmax cross-entropy and one update of the configured optimizer with its
-    ``optimizer_args`` (an argument of the wrong type fails only there). On ``link``, which is
-    thrown away after."""
+    ``optimizer_args`` (an argument of the wrong type fails only there), or of ``user_opt``
+    (the user's ``OptimizerRef``, checked already on its own). On ``link``, which is thrown
+    away after."""
     from pipeline.backends.chainer.compat import F
     from pipeline.backends.chainer.state import make_optimizer, setup_optimizer
     n = max(1, min(int(train.batch_size), STEP_BATCH))
@@ -242,6 +244,11 @@ def _dry_step(ref: ModelRef, link, n_classes: int | None, train) -> None:
         loss = _stage(ref, "loss", n, lambda: F.softmax_cross_entropy(y, t))
         link.cleargrads()
         _stage(ref, "backward", n, loss.backward)
+    if user_opt is not None:
+        from pipeline.backends.chainer.user_optimizers import create
+        _stage(ref, f"one update of optimizer {user_opt.path}", n,
+               create(user_opt, link).update)
+        return
     try:
         optimizer = setup_optimizer(make_optimizer(
             train.optimizer, train.lr, train.momentum, train.weight_decay,
@@ -278,7 +285,7 @@ class _TimeUp(BaseException):
 
 
 @contextlib.contextmanager
-def timed(path: str, seconds: float | None = None):
+def timed(path: str, seconds: float | None = None, what: str = "model"):
     """UsageError, in one line, when the block (the factory and the contract's steps) runs past
     ``seconds`` (default ``CHECK_SECONDS``). An interval timer (SIGALRM), so only in the main
     thread of the driver (the CLI, a notebook); elsewhere the block runs unbounded. Code that
@@ -304,7 +311,7 @@ def timed(path: str, seconds: float | None = None):
     try:
         yield
     except _TimeUp:
-        raise UsageError(f"model {path} did not build and take one step within {seconds:g} s "
+        raise UsageError(f"{what} {path} did not build and take one step within {seconds:g} s "
                          f"(the check before a cluster starts; a factory that waits or loops?)"
                          ) from None
     finally:

@@ -31,6 +31,7 @@ class Context(NamedTuple):
     plan: tuple = ()  # the run's rounds (a resumed, extended run keeps its finished ones)
     model: Any = None  # what tasks build: a registry name or a backends.ModelRef (None: the
     #                    config's model.name)
+    optimizer: Any = None  # the user's backends.OptimizerRef (None: train.optimizer by name)
 
     @property
     def model_spec(self):
@@ -53,7 +54,8 @@ class Context(NamedTuple):
 
     def spec(self, rnd: Round, replica: int, mode: str = "steps") -> StepSpec:
         t = self.config.train
-        return StepSpec(self.model_spec, self.n_classes, t.optimizer, t.momentum,
+        optimizer = t.optimizer if self.optimizer is None else self.optimizer
+        return StepSpec(self.model_spec, self.n_classes, optimizer, t.momentum,
                         t.weight_decay, self.lrs(rnd), t.batch_size, mode, self.config.seed,
                         rnd.index, replica, self.device, beta1=t.beta1, beta2=t.beta2,
                         eps=t.adam_eps, cpu_kernels=self.config.model.cpu_kernels,
