@@ -173,6 +173,28 @@ class NoWorker(RuntimeError):
     """Tasks of the run that no connected worker may run: work lost with a worker."""
 
 
+def _quiet_dropped_fetches(loop) -> None:
+    """Drop asyncio's "Task exception was never retrieved" for distributed's ``AllExit`` on
+    ``loop`` (once per loop; other reports go to the handler there was). A cancelled ``_gather``
+    leaves the helper tasks it waited through running; when a future they watch errs (the
+    retired worker's result), each raises ``AllExit``, distributed's own signal to stop waiting,
+    to nobody, and asyncio printed it with a traceback at the end of a run that went on fine."""
+    from distributed.client import AllExit
+    previous = loop.get_exception_handler()
+    if getattr(previous, "drops_all_exit", False):
+        return
+
+    def handler(loop, context: dict) -> None:
+        if isinstance(context.get("exception"), AllExit):
+            return
+        if previous is None:
+            loop.default_exception_handler(context)
+        else:
+            previous(loop, context)
+    handler.drops_all_exit = True
+    loop.set_exception_handler(handler)
+
+
 class Watchdog:
     """Waits for futures in slices of ``POLL_S`` and judges the run's tasks in between.
 
@@ -233,6 +255,8 @@ class Watchdog:
                         if any(v.action == "retire" for v in self.check(suffix)):
                             break
             finally:
+                if not job.done():
+                    _quiet_dropped_fetches(self.client.loop.asyncio_loop)
                 job.cancel()  # a no-op once it has finished
 
     def check(self, suffix: str) -> list[Verdict]:

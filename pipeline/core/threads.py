@@ -1,4 +1,5 @@
-"""How many threads a task may use, and the one place that caps BLAS/OpenMP pools to it."""
+"""How many threads a task may use, and the one place that caps BLAS/OpenMP pools to it; which
+worker and task the calling code runs in (for messages)."""
 from __future__ import annotations
 
 import contextlib
@@ -28,6 +29,20 @@ def worker_threads() -> int:
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return max(1, os.cpu_count() or 1)
+
+
+def running_in() -> tuple[str, object]:
+    """(worker address, task key) of the task calling this; ``("?", None)`` outside a task.
+
+    >>> running_in()
+    ('?', None)
+    """
+    try:
+        from distributed import get_worker  # present wherever a task runs
+        worker = get_worker()
+        return str(worker.address), worker.get_current_task()
+    except (ImportError, ValueError, AttributeError):  # not inside a task
+        return "?", None
 
 
 @contextlib.contextmanager

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import html
 import logging
 import math
 import uuid
@@ -14,8 +13,10 @@ from pathlib import Path
 from pipeline.cluster import bokeh_validation
 from pipeline.core import files
 from pipeline.core.errors import OutputError
-from pipeline.outputs.live import format_line, split_series
+from pipeline.outputs.live import split_series
 from pipeline.outputs.metrics import COLUMNS, INTEGERS
+from pipeline.outputs.progress import (  # noqa: F401  (re-exported: the page's words)
+    add_stages, duration, progress_of, status_html)
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +28,7 @@ _SCALARS = (*COLUMNS, "rounds")  # an event's numbers: a line's, and the run's r
 _INTS = (*INTEGERS, "rounds")
 MAX_RUN_LABEL = 80  # characters of a run label shown or published
 MAX_STAGES = 32  # stage_seconds entries kept from an event
+MAX_POINTS = 1000  # points a /training curve holds; past it every other one is dropped
 
 
 # ---------------------------------------------------------------------------------------------
@@ -52,48 +54,6 @@ def event_of(line: dict, run: str, rounds: int | None = None) -> dict:
     if "stage_seconds" in line:
         event["stage_seconds"] = {str(k): float(v) for k, v in line["stage_seconds"].items()}
     return event
-
-
-def duration(seconds: float) -> str:
-    """Seconds as a short human duration.
-
-    >>> duration(42.4), duration(185), duration(7384)
-    ('42 s', '3 min 05 s', '2 h 03 min')
-    """
-    seconds = int(round(max(0.0, seconds)))
-    if seconds < 60:
-        return f"{seconds} s"
-    if seconds < 3600:
-        return f"{seconds // 60} min {seconds % 60:02d} s"
-    return f"{seconds // 3600} h {seconds // 60 % 60:02d} min"
-
-
-def progress_of(rows: Sequence[dict]) -> dict:
-    """Where a run stands from its published rounds (oldest first): rounds done, of how many,
-    seconds so far, the estimated seconds left, and the seconds per stage summed over the rounds.
-
-    The estimate is the mean time per round between the first and the last row given (or, with one
-    row, since the run started) times the rounds left.
-
-    >>> p = progress_of([{"round": 0, "rounds": 4, "seconds": 3.0, "stage_seconds": {"train": 2}},
-    ...                  {"round": 1, "rounds": 4, "seconds": 5.0, "stage_seconds": {"train": 1}}])
-    >>> p["done"], p["rounds"], p["eta"], p["stages"]
-    (2, 4, 4.0, {'train': 3.0})
-    """
-    last = rows[-1]
-    done, total = int(last["round"]) + 1, last.get("rounds")
-    first = rows[0]
-    if len(rows) > 1 and last["round"] > first["round"]:
-        per_round = (last["seconds"] - first["seconds"]) / (last["round"] - first["round"])
-    else:
-        per_round = last.get("seconds", 0.0) / done
-    eta = per_round * (total - done) if total is not None else None
-    stages: dict[str, float] = {}
-    for row in rows:
-        for stage, seconds in (row.get("stage_seconds") or {}).items():
-            stages[stage] = stages.get(stage, 0.0) + float(seconds)
-    return {"done": done, "rounds": total, "seconds": last.get("seconds", 0.0), "eta": eta,
-            "stages": stages}
 
 
 def clean_event(msg) -> dict | None:
@@ -137,29 +97,6 @@ def clean_event(msg) -> dict | None:
 def _finite_number(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and \
         math.isfinite(value)
-
-
-def status_html(run: str, rows: Sequence[dict]) -> str:
-    """The /training page's heading: run name, "round X of N", time so far and ETA, the latest
-    line, and a table of seconds per stage (every value escaped: events come from any client).
-
-    >>> text = status_html("ipm-1", [{"round": 1, "rounds": 4, "epoch_float": 0.5,
-    ...                               "train_loss": 2.0, "train_acc": 0.3, "seconds": 10.0}])
-    >>> "<b>ipm-1</b>: round 2 of 4" in text, "ETA 10 s" in text
-    (True, True)
-    """
-    p = progress_of(rows)
-    of = f" of {p['rounds']}" if p["rounds"] is not None else ""
-    eta = (f", ETA {duration(p['eta'])}" if p["eta"] is not None and p["done"] < (p["rounds"] or 0)
-           else "")
-    head = (f"<b>{html.escape(str(run))}</b>: round {p['done']}{of} "
-            f"({duration(p['seconds'])} so far{eta})")
-    total = sum(p["stages"].values()) or 1.0
-    cells = "".join(f"<td style='padding:0 8px'>{html.escape(str(stage))}<br>{sec:.1f} s "
-                    f"({100 * sec / total:.0f}%)</td>"
-                    for stage, sec in sorted(p["stages"].items(), key=lambda kv: -kv[1]))
-    table = f"<table><tr><td>time per stage:</td>{cells}</tr></table>" if cells else ""
-    return f"{head}<br>{html.escape(format_line(rows[-1]))}{table}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,7 +168,7 @@ class DashboardEvents:
 
     def start(self, info) -> None:
         """As a run-output hook (:mod:`pipeline.outputs.hooks`): the run's client and number of
-        rounds, so the page is there, and says "round X of N", from the first round on."""
+        rounds, so the page is there, and says "N of M rounds done", from the first round on."""
         self.rounds = len(info.rounds)
         if self.client is None:
             self._attach(info.client)
@@ -349,7 +286,11 @@ class TrainingPage:
         from bokeh.plotting import figure
 
         self.scheduler = scheduler
-        self.seen: tuple | None = None  # (count, last time) of the events last drawn
+        self.mark = None  # the newest event read, and its time (after_mark)
+        self.run: str | None = None  # the run plotted
+        self.first = self.last = None  # its first and newest rows
+        self.stages: dict = {}  # its seconds per stage, summed over its rows
+        self.count, self.stride = 0, 1  # its rows read; a point plotted every stride rows
         self.train = ColumnDataSource(self._empty("train"))
         self.test = ColumnDataSource(self._empty("test"))
         self.div = Div(text="<b>training</b>: no rounds published yet")
@@ -377,25 +318,71 @@ class TrainingPage:
         return {"epoch": [], f"{kind}_loss": [], f"{kind}_acc": [], "round": []}
 
     def update(self) -> None:
+        """Read the events published since the last update and stream their points: O(new
+        rounds) per update, never the whole run again (a 900-round run redrawn from scratch
+        every 500 ms sent 900 points a series each time). A new run label starts afresh."""
         events = self.scheduler.get_events(TOPIC)
-        seen = (len(events), repr(events[-1])[:200] if events else None)
-        if seen == self.seen:
-            return
-        self.seen = seen
-        if not events:
-            return
-        rows = [row for row in (clean_event(msg) for _, msg in _pairs(events)) if row]
+        fresh, self.mark = after_mark(events, self.mark)
+        rows = [row for row in (clean_event(msg) for _, msg in _pairs(fresh)) if row]
         if not rows:
             return
         run = rows[-1]["run"]
+        if run != self.run:  # read once per run: its rounds from the whole log
+            rows = [r for r in (clean_event(msg) for _, msg in _pairs(events)) if r]
+            self._restart(run)
         rows = [row for row in rows if row["run"] == run]
-        train, test = split_series(rows)
-        tested = [r for r in rows if "test_acc" in r]
-        self.train.data = {"epoch": train["epoch"], "train_loss": train["loss"],
-                           "train_acc": train["acc"], "round": [r["round"] for r in rows]}
-        self.test.data = {"epoch": test["epoch"], "test_loss": test["loss"],
-                          "test_acc": test["acc"], "round": [r["round"] for r in tested]}
-        self.div.text = status_html(run, rows)  # HTML: everything from an event is escaped
+        add_stages(self.stages, rows)
+        self.first, self.last = self.first or rows[0], rows[-1]
+        kept = [r for i, r in enumerate(rows, self.count) if i % self.stride == 0]
+        self.count += len(rows)
+        train, test = split_series(kept)
+        tested = [r for r in kept if "test_acc" in r]
+        self.train.stream({"epoch": train["epoch"], "train_loss": train["loss"],
+                           "train_acc": train["acc"], "round": [r["round"] for r in kept]})
+        if tested:
+            self.test.stream({"epoch": test["epoch"], "test_loss": test["loss"],
+                              "test_acc": test["acc"], "round": [r["round"] for r in tested]})
+        if max(len(self.train.data["round"]), len(self.test.data["round"])) > MAX_POINTS:
+            self.stride *= 2  # every other point: the whole run still spanned, at half the detail
+            for source in (self.train, self.test):
+                source.data = {k: list(v)[::2] for k, v in source.data.items()}
+        self.div.text = status_html(run, [self.first, self.last], self.stages)  # escaped
+
+    def _restart(self, run: str) -> None:
+        self.run, self.first, self.last, self.stages, self.count, self.stride = \
+            run, None, None, {}, 0, 1
+        self.train.data, self.test.data = self._empty("train"), self._empty("test")
+
+
+def after_mark(events: Sequence, mark) -> tuple[list, object]:
+    """(the events after ``mark``, oldest first; the new mark): a walk back from the newest that
+    stops at the event read last (or, once the scheduler's bounded log dropped it, at one
+    published before it), so an update costs what is new, not the whole log.
+    ``mark``: ``(event, time)`` of the newest event read, None before the first read.
+
+    >>> events = [(1.0, "a"), (2.0, "b")]
+    >>> fresh, mark = after_mark(events, None); fresh
+    [(1.0, 'a'), (2.0, 'b')]
+    >>> after_mark(events + [(3.0, "c")], mark)[0], after_mark(events[1:], mark)[0]
+    ([(3.0, 'c')], [])
+    """
+    if not events:
+        return [], mark
+    fresh = []
+    last, when = mark if mark is not None else (None, None)
+    for event in reversed(events):
+        if mark is not None and (event is last or event == last or
+                                 (when is not None and _time(event) < when)):
+            break
+        fresh.append(event)
+    times = [t for t in map(_time, reversed(fresh)) if t != -math.inf]
+    return fresh[::-1], (events[-1], max(times) if times else when)
+
+
+def _time(event) -> float:
+    """An event's publication time; -inf for anything not a (time, msg) pair."""
+    ok = isinstance(event, (tuple, list)) and len(event) == 2 and _finite_number(event[0])
+    return float(event[0]) if ok else -math.inf
 
 
 def _pairs(events) -> list:

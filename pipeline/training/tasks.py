@@ -16,9 +16,10 @@ import numpy as np
 import augment
 from pipeline.averaging import exact
 from pipeline.backends import State, get_backend
-from pipeline.core.errors import UsageError
+from pipeline.core.arrays import state_problem
+from pipeline.core.errors import ClusterError, UsageError
 from pipeline.core.rng import rng_for
-from pipeline.core.threads import worker_threads
+from pipeline.core.threads import running_in, worker_threads
 from pipeline.data.readers import Shard
 
 if TYPE_CHECKING:
@@ -68,7 +69,21 @@ class TrainResult(NamedTuple):
 def pick(result, field: int):
     """One field of a task's tuple result, as its own key so consumers fetch only that part
     (here, not in ``graph``: a worker that runs it imports this light module, not Dask's array
-    collection)."""
+    collection). A result that is not such a tuple is a ClusterError naming the task that made
+    it (a worker of another version, or a hostile one), not an IndexError.
+
+    >>> pick(("p", "o", "m"), 2)
+    'm'
+    >>> pick({"n": 1}, 0)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    pipeline.core.errors.ClusterError: task ? returned a dict, not a tuple of at least 1 part(s) ...
+    """
+    if not isinstance(result, tuple) or not 0 <= field < len(result):
+        worker, key = running_in()
+        made_by = key[:-1] if isinstance(key, tuple) else "?"
+        raise ClusterError(f"task {made_by} returned a {type(result).__name__}, not a tuple of "
+                           f"at least {field + 1} part(s) (a worker of another version of this "
+                           "pipeline?)" + (f"; read on worker {worker}" if key else ""))
     return result[field]
 
 
@@ -94,6 +109,7 @@ def train(params: State, opt_state: State | None, shard: Shard, spec: StepSpec) 
         else:
             new_params, new_opt, stats = backend.train_steps(params, opt_state, shard.images,
                                                              shard.labels, spec, rng)
+    _check_form(new_params, new_opt, params, spec)
     nonfinite = exact.first_nonfinite(new_params)
     metrics = dict(loss_sum=stats.loss_sum, correct=stats.correct, n=stats.n,
                    delta_sq=exact.squared_distance(new_params, params)
@@ -101,6 +117,20 @@ def train(params: State, opt_state: State | None, shard: Shard, spec: StepSpec) 
                    finite=stats.finite and nonfinite is None, replica=spec.replica,
                    nonfinite=nonfinite, seconds=time.perf_counter() - start)
     return TrainResult(new_params, new_opt, metrics)
+
+
+def _check_form(new_params, new_opt, params: State, spec: StepSpec) -> None:
+    """ClusterError naming the worker, task and round when the backend's output is not a state of
+    its input's form (keys, dtypes, shapes) or the optimizer state not a dict: the average and the
+    next round would fail on it with a bare KeyError, or average a wrong-sized array."""
+    problem = state_problem(new_params, params)
+    if problem is None and new_opt is not None and not isinstance(new_opt, dict):
+        problem = f"an optimizer state of type {type(new_opt).__name__} (expected a dict)"
+    if problem:
+        worker, key = running_in()
+        raise ClusterError(f"worker {worker} returned {problem} for train task {key} (round "
+                           f"{spec.round}, replica {spec.replica}; a worker of another version "
+                           "of this pipeline?)")
 
 
 def _cores(spec):

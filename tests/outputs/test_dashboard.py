@@ -108,7 +108,7 @@ def test_training_page_shows_the_latest_run():
     scheduler.events.append((9.0, dashboard.event_of(HISTORY[0], "second")))
     page.update()
     assert page.train.data["round"] == [0] and page.test.data["epoch"] == []
-    assert page.div.text.startswith("<b>second</b>: round 1 (")
+    assert page.div.text.startswith("<b>second</b>: 1 round done (")
 
 
 def test_training_page_says_round_x_of_n_eta_and_time_per_stage():
@@ -120,13 +120,78 @@ def test_training_page_says_round_x_of_n_eta_and_time_per_stage():
                         for i, x in enumerate(rows)]
     page.update()
     text = page.div.text
-    assert text.startswith("<b>ipm-20260101-120000</b>: round 2 of 8 "
+    assert text.startswith("<b>ipm-20260101-120000</b>: 2 of 8 rounds done "
                            "(20 s so far, ETA 1 min 00 s)")
+    assert "<br>round 1 epoch " in text  # one count: after round 1 (from 0), 2 rounds are done
     assert "train<br>12.0 s (75%)" in text and "augment<br>4.0 s (25%)" in text
     hostile = dashboard.event_of(dict(rows[0], round=7), "<script>x</script>", 8)
     scheduler.events.append((9.0, hostile))
     page.update()
     assert "<script>" not in page.div.text and "&lt;script&gt;" in page.div.text
+
+
+def _points_sent(page) -> list:
+    """The page in a Bokeh document; returns a list that collects, per change the document
+    would send a browser, the number of plot points in it (a stream: its new rows; a whole
+    ``data``: all of them)."""
+    from bokeh.document import Document
+    from bokeh.document.events import ColumnDataChangedEvent, ColumnsStreamedEvent, \
+        ModelChangedEvent
+    doc, sent = Document(), []
+    doc.add_root(page.root)
+
+    def count(event):
+        if isinstance(event, ColumnsStreamedEvent):
+            sent.append(len(event.data["round"]))
+        elif isinstance(event, ColumnDataChangedEvent):
+            sent.append(len(event.model.data["round"]))
+        elif isinstance(event, ModelChangedEvent) and event.attr == "data":
+            sent.append(len(event.new["round"]))
+    doc.on_change(count)
+    return sent
+
+
+def test_the_training_page_sends_each_round_once_over_900_rounds():
+    """A 900-round run updating the page after every round: each update sends its new points
+    only (was every point of the run each time: 445,590 points over the run, and the page's test
+    did not finish in its 120 s under load), and past MAX_POINTS a curve keeps every other
+    point, so what a browser holds stays bounded. Counted in points, not seconds."""
+    rounds, scheduler = 900, _FakeScheduler()
+    page = dashboard.TrainingPage(scheduler)
+    sent = _points_sent(page)
+    for r in range(rounds):
+        line = dict(round=r, epoch_float=r / 10, train_loss=2.0, train_acc=0.5, seconds=r + 1.0,
+                    stage_seconds={"train": 1.0},
+                    **({"test_loss": 2.0, "test_acc": 0.5} if r % 10 == 9 else {}))
+        scheduler.events.append((float(r), dashboard.event_of(line, "long", rounds=rounds)))
+        page.update()
+        page.update()  # nothing new: nothing sent
+    assert sum(sent) == rounds + rounds // 10, sum(sent)  # each point once
+    assert page.train.data["round"] == list(range(rounds))
+    assert page.div.text.startswith("<b>long</b>: 900 of 900 rounds done (15 min 00 s so far)")
+    assert "train<br>900.0 s (100%)" in page.div.text
+    for r in range(rounds, 2 * dashboard.MAX_POINTS + 1):  # past the bound: thinned
+        line = dict(round=r, epoch_float=r / 10, train_loss=2.0, train_acc=0.5)
+        scheduler.events.append((float(r), dashboard.event_of(line, "long", rounds=rounds)))
+        page.update()
+    held = page.train.data["round"]
+    assert len(held) <= dashboard.MAX_POINTS and held[0] == 0 and held[1] - held[0] == 4, held[:3]
+    assert sum(sent) < 4 * 2 * dashboard.MAX_POINTS, sum(sent)  # amortised: O(1) a round
+
+
+def test_the_training_page_reads_only_new_events_when_the_log_rolls_over():
+    """The scheduler keeps its last events only: once the oldest drop out, the page still
+    reads each new round once (by time), and a new run label starts its plot afresh."""
+    scheduler = _FakeScheduler()
+    page = dashboard.TrainingPage(scheduler)
+    for r in range(6):
+        scheduler.events.append((float(r), dashboard.event_of(HISTORY[r % 4] | {"round": r}, "a")))
+        scheduler.events = scheduler.events[-3:]  # a log of 3 events
+        page.update()
+    assert page.train.data["round"] == [0, 1, 2, 3, 4, 5]
+    scheduler.events.append((9.0, dashboard.event_of(HISTORY[0], "b")))
+    page.update()
+    assert page.train.data["round"] == [0] and page.div.text.startswith("<b>b</b>: 1 round done")
 
 
 def test_callbacks_see_every_round_of_a_real_run(dask_client):
@@ -398,7 +463,7 @@ _DIV_TEXTS_JS = """() => {
 @pytest.mark.skipif(browser_skip_reason() is not None, reason=str(browser_skip_reason()))
 def test_a_cli_run_has_its_training_page_and_keeps_dashboard_errors_out(tmp_path):
     """`python -m pipeline train` on its embedded cluster, dashboard at --dashboard-address: the
-    /training page names the run and says "round X of N" with an ETA; opening the Groups page
+    /training page names the run and says "N of M rounds done" with an ETA; opening the Groups page
     (whose KeyErrors on our stage groups used to scroll into the terminal) leaves the training
     output clean; the web errors land in OUT/dashboard.log."""
     import os
@@ -437,5 +502,6 @@ def test_a_cli_run_has_its_training_page_and_keeps_dashboard_errors_out(tmp_path
     assert "Traceback" not in stderr and "ERROR" not in stderr, stderr
     assert f"dashboard http://127.0.0.1:{port}/status" in stderr
     text = " ".join(texts)
-    assert f"<b>{out.name}</b>: round " in text and " of 64 (" in text and "ETA" in text, texts
+    assert f"<b>{out.name}</b>: " in text and " of 64 rounds done (" in text and "ETA" in text, \
+        texts
     assert "time per stage" in text and "train<br>" in text, texts
