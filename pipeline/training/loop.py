@@ -212,6 +212,8 @@ class _Loop:
         # Rounds computed again after lost work, over the whole run (metrics.jsonl "replayed").
         self.replayed = int(history[-1].get("replayed", 0)) if history else 0
         self.workers = recovery.roster(client)  # {address: name}: who left or came back
+        # read now: once the scheduler is gone the client no longer knows where it was
+        self.scheduler = getattr(client.scheduler, "address", None) or "?"
 
     def run(self) -> TrainOutput:
         from pipeline.training import task_stream
@@ -365,7 +367,7 @@ class _Loop:
         return recovery.decide(
             exc, recovery.ClusterState(self._alive()), retries, where=self._hint(anchor),
             stopped_in=self._collecting(anchor),
-            scheduler=getattr(self.client.scheduler, "address", None) or "?",
+            scheduler=self.scheduler,
             out_given=bool(self.out), lost_before=lost_at,
             suspect=f"model {model.path}'s train task" if gone and isinstance(model, ModelRef)
             else None)
