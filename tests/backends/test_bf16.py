@@ -53,6 +53,15 @@ def test_rounding_is_to_nearest_even_and_matches_onednn():
     assert from_bf16(to_bf16(ties)).tolist() == [1.0, 1 + 2 ** -6]
 
 
+def test_onednns_rounding_gives_the_numpy_helpers_bits():
+    rng = np.random.default_rng(4)
+    v = np.concatenate([rng.standard_normal(100_003).astype(np.float32) * 10.0 ** rng.integers(
+        -30, 30, 100_003), np.array([0.0, -0.0, np.inf, -np.inf, 3.4e38, 1e-45], np.float32)])
+    v = v.astype(np.float32)
+    assert np.array_equal(dnnl.round_bf16(v), to_bf16(v))
+    assert np.array_equal(onednn.as_bf16(v.reshape(-1, 1)), to_bf16(v).reshape(-1, 1))
+
+
 def test_the_three_passes_in_bf16_are_close_to_fp32_and_write_fp32():
     x, w, b, gy = _problem()
     before = dnnl.stats["plans"]

@@ -339,6 +339,38 @@ class Plan:
                 pass
 
 
+class Rounding(Plan):
+    """oneDNN's reorder of ``size`` float32 values to bf16 (nearest, ties to even: the bits of
+    ``cpu_kernels.bf16.to_bf16``), 5.7x faster than that NumPy helper (3.3M values: 0.66 ms
+    against 3.8 ms, one thread; benchmarks/cpu_kernels.py --precision)."""
+
+    def __init__(self, lib, size: int):  # noqa: super().__init__ builds a convolution
+        self.lib, self._owned = lib, []
+        src, dst = self._md((size,), TAG_A, F32), self._md((size,), TAG_A, BF16)
+        reorder_pd = _P()
+        _check(lib.dnnl_reorder_primitive_desc_create(ctypes.byref(reorder_pd), src,
+                                                      _LOAD["engine"], dst, _LOAD["engine"],
+                                                      None), "reorder")
+        self._owned.append(("dnnl_primitive_desc_destroy", reorder_pd))
+        self.prim = self._create(reorder_pd)
+        self.memories = {ARG_SRC: self._memory(src), ARG_DST: self._memory(dst)}
+        self.args = (_Arg * 2)(*[_Arg(a, m) for a, m in self.memories.items()])
+        self.weights_arg, self.reorder = None, None
+
+
+def round_bf16(x: np.ndarray) -> np.ndarray:
+    """C-contiguous float32 (any shape) -> uint16 bf16 bits, by this thread's oneDNN reorder."""
+    plans = thread_state()["plans"]
+    key = ("bf16", x.size)
+    if key not in plans:
+        while len(plans) >= MAX_PLANS:
+            del plans[next(iter(plans))]
+        plans[key] = Rounding(_LOAD["lib"], x.size)
+    out = np.empty(x.shape, np.uint16)
+    plans[key].run(thread_state()["stream"], {ARG_SRC: x, ARG_DST: out})
+    return out
+
+
 MAX_PLANS = 512  # per thread; a model's layers x 3 passes x 2 chunk sizes x train/eval is ~100
 
 

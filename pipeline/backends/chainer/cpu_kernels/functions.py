@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.backends.chainer.compat import chainer
-from pipeline.backends.chainer.cpu_kernels import convolution, normalization, pooling, sharing
-from pipeline.backends.chainer.cpu_kernels.bf16 import to_bf16
+from pipeline.backends.chainer.cpu_kernels import (convolution, normalization, onednn, pooling,
+                                                   sharing)
 from pipeline.backends.chainer.cpu_kernels.layout import to_nchw, to_nhwc
 
 type_check = chainer.utils.type_check
@@ -63,7 +63,7 @@ class Convolution2D(chainer.FunctionNode):
         if 2 in indexes and 1 not in indexes:  # from the float32 gy, before any rounding
             grads[2] = gy.reshape(-1, gy.shape[-1]).sum(axis=0)
         if self._bf16 and gy.dtype == w.dtype == np.float32:  # rounded once for both passes
-            gy = to_bf16(gy)
+            gy = onednn.as_bf16(gy)
         if 0 in indexes:
             grads[0] = to_nchw(convolution.grad_x(gy, w, self._x_shape, self.stride, self.pad,
                                                   sharing.threads(), self._bf16))
