@@ -15,6 +15,9 @@ a third interleaved run, ours with Chainer's own Adam update, gives that update'
 
     .venv/bin/python benchmarks/cpu_kernels.py                  # ~2 min on 2 cores
     .venv/bin/python benchmarks/cpu_kernels.py --profile        # also: where one step's time goes
+    .venv/bin/python benchmarks/cpu_kernels.py --precision fp32,bf16 --models cifar10-2015
+        # ours in fp32 against ours with bf16 convolutions (train.precision), and the cost of
+        # the NumPy fp32 -> bf16 rounding of one batch's activations against oneDNN's reorder
 
 Goals (issue 15): ours >= 2.3x Chainer's functions on cifar10-2015, and >= 0.55 of the bound.
 """
@@ -29,8 +32,9 @@ from _common import emit  # noqa: I001
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
-def make_trainer(name: str, kernels: str, batch: int, seed: int = 0):
-    """A zero-argument step function: one Adam step of ``name`` on a fixed seeded batch."""
+def make_trainer(name: str, kernels: str, batch: int, seed: int = 0, precision: str = "fp32"):
+    """A zero-argument step function: one Adam step of ``name`` on a fixed seeded batch
+    (``precision``: the convolutions' inputs, as ``train.precision``)."""
     import numpy as np
 
     import augment
@@ -45,7 +49,8 @@ def make_trainer(name: str, kernels: str, batch: int, seed: int = 0):
     rng = np.random.default_rng(seed)
 
     def step():
-        with chainer.using_config("train", True), chainer.using_config("cpu_kernels", kernels):
+        with chainer.using_config("train", True), chainer.using_config("cpu_kernels", kernels), \
+                chainer.using_config("cpu_precision", precision):
             loss = F.softmax_cross_entropy(model(x, rng=rng), t)
             model.cleargrads()
             loss.backward()
@@ -258,6 +263,78 @@ def bench_model(name: str, a, np) -> dict:
     return rates
 
 
+def bench_precisions(name: str, a, precisions: list) -> dict:
+    """Images/s of ours at each precision, interleaved, best round of each kept."""
+    steps = {p: make_trainer(name, "ours", a.batch_size, precision=p) for p in precisions}
+    for step in steps.values():
+        step()
+    best = collections.defaultdict(lambda: dict.fromkeys(CLOCKS, float("inf")))
+    for _ in range(a.repeats):
+        for p, step in steps.items():
+            for clock, seconds in time_steps(step, a.steps).items():
+                best[p][clock] = min(best[p][clock], seconds)
+    return {p: {c: a.batch_size / s for c, s in by_clock.items()} for p, by_clock in best.items()}
+
+
+def rounding_seconds(np, shape=(100, 32, 32, 32), repeats: int = 20) -> dict:
+    """Seconds to round one float32 NHWC activation of ``shape`` to bf16: our NumPy helper
+    (``cpu_kernels.bf16.to_bf16``) and oneDNN's reorder (one primitive, one thread), best of
+    ``repeats``; the two give the same bits."""
+    from pipeline.backends.chainer.cpu_kernels import bf16, dnnl
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    lib = dnnl.load()
+    out = np.empty(shape, np.uint16)
+    plan = dnnl.Plan.__new__(dnnl.Plan)  # its helpers for memory descriptors and objects
+    plan.lib, plan._owned = lib, []
+    nchw = (shape[0], shape[3], shape[1], shape[2])
+    src, dst = plan._md(nchw, dnnl.TAG_ACDB, dnnl.F32), plan._md(nchw, dnnl.TAG_ACDB, dnnl.BF16)
+    pd = plan._pd(lambda ref, engine, *args: lib.dnnl_reorder_primitive_desc_create(
+        ref, src, engine, dst, engine, None))
+    prim = plan._create(pd)
+    args = (dnnl._Arg * 2)(dnnl._Arg(dnnl.ARG_SRC, plan._memory(src, x.ctypes.data)),
+                           dnnl._Arg(dnnl.ARG_DST, plan._memory(dst, out.ctypes.data)))
+    stream = dnnl.thread_state()["stream"]
+
+    def reorder():
+        lib.dnnl_primitive_execute(prim, stream, 2, args)
+        lib.dnnl_stream_wait(stream)
+    times = {}
+    for label, fn in (("numpy", lambda: bf16.to_bf16(x)), ("onednn_reorder", reorder)):
+        fn()
+        times[label] = min(_seconds(fn) for _ in range(repeats))
+    reorder()
+    times["same_bits"] = bool(np.array_equal(out, bf16.to_bf16(x)))
+    return times
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main_precision(a, np) -> None:
+    from pipeline.backends.chainer.cpu_kernels import onednn
+    from pipeline.core import precision
+    precisions = a.precision.split(",")
+    figures = {name: bench_precisions(name, a, precisions) for name in a.models.split(",")}
+    out = {}
+    for name, r in figures.items():
+        out[name] = {f"{p}_img_s": round(r[p][a.clock], 1) for p in precisions}
+        if {"fp32", "bf16"} <= set(precisions):
+            out[name]["bf16_over_fp32"] = round(r["bf16"][a.clock] / r["fp32"][a.clock], 3)
+        print(name, out[name])
+    rounding = rounding_seconds(np)
+    print("fp32 -> bf16 of a (100, 32, 32, 32) activation:", rounding)
+    flags = precision.cpu_flags()
+    emit({"bench": "cpu_kernels_precision", "batch_size": a.batch_size, "threads": 1,
+          "optimizer": "adam", "onednn": onednn.version() or "off", "clock": a.clock,
+          "steps": a.steps, "repeats": a.repeats, "models": out,
+          "bf16_flags": sorted(f for f in flags if "bf16" in f),
+          "rounding_ms": {k: (round(v * 1e3, 3) if isinstance(v, float) else v)
+                          for k, v in rounding.items()}})
+
+
 def main(argv=None):
     import numpy as np
     from threadpoolctl import threadpool_limits
@@ -272,9 +349,15 @@ def main(argv=None):
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="which clock the headline ratios use (both are printed)")
     p.add_argument("--profile", action="store_true", help="print a per-function breakdown")
+    p.add_argument("--precision", default="fp32",
+                   help="fp32: ours against Chainer's functions and the bound; a list such as "
+                        "fp32,bf16: ours at each precision (train.precision) only")
     a = p.parse_args(argv)
     _keep_heap_for_training()
     stock.install()  # as the backend does when it builds a replica: our Adam update included
+    if a.precision != "fp32":
+        with threadpool_limits(1):
+            return main_precision(a, np)
     figures = {}
     with threadpool_limits(1):
         for name in a.models.split(","):

@@ -18,6 +18,7 @@ NAME_FORM = re.compile(r"[a-z][a-z0-9_-]{0,39}")
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 DEVICES = ("cpu", "gpu", "auto")
+PRECISIONS = ("fp32", "bf16")
 OPT_STATE_MODES = ("auto", "keep", "reset", "average")
 LR_SCALINGS = ("auto", "none", "linear", "sqrt")
 LR_DECAYS = ("none", "cosine")
@@ -83,6 +84,10 @@ class TrainConfig:
                             "workers)", flag="--cpu-resource", metavar="NAME")
     tta: bool = opt(False, "evaluate with test-time augmentation (flips and shifted crops)",
                     flag="--tta")
+    precision: str = opt("fp32", "the convolutions' inputs on CPU workers (bf16: rounded to "
+                         "bfloat16, products summed in float32 by oneDNN, on a CPU with AMX or "
+                         "AVX512-BF16; weights, gradients, BatchNorm, loss and optimizer stay "
+                         "float32)", flag="--precision", metavar="KIND", choices=PRECISIONS)
 
     def validate(self) -> None:
         check_types(self, "train.")
@@ -122,6 +127,8 @@ class TrainConfig:
         check(self.warmup_epochs is None or self.warmup_epochs >= 0, "train.warmup_epochs",
                "must be >= 0", self.warmup_epochs)
         check(self.device in DEVICES, "train.device", f"must be one of {DEVICES}", self.device)
+        check(self.precision in PRECISIONS, "train.precision", f"must be one of {PRECISIONS}",
+               self.precision)
 
 _MIX_RE = re.compile(r"^(\d{1,9})(ep)?$")  # nine digits: a billion steps is past any plan
 

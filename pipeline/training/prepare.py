@@ -11,6 +11,7 @@ import augment as aug
 from pipeline.averaging import exact
 from pipeline.backends import get_backend
 from pipeline.backends import user as user_code
+from pipeline.core import precision
 from pipeline.core.config import Config
 from pipeline.core.errors import ResumeError, UsageError
 from pipeline.outputs import checkpoint
@@ -42,7 +43,23 @@ def normalise(config: Config) -> Config:
     strategy.check(config)
     config = strategy.resolve(config)
     backend.check_optimizer(config.train)  # its name and arguments, one line
+    check_precision(config)
     return config
+
+
+def check_precision(config: Config, flags: set | None = None) -> None:
+    """Refuses a ``--precision`` this run cannot honour, in one line, before any cluster
+    (``flags``: the CPU's, read from /proc/cpuinfo when None)."""
+    if config.train.precision == "fp32":
+        return
+    line = precision.refusal(config.train.precision, config.train.device,
+                             config.model.cpu_kernels, config.model.backend,
+                             precision.cpu_flags() if flags is None else flags)
+    backend = get_backend(config.model.backend)
+    if line is None and hasattr(backend, "precision_unavailable"):  # its kernels' library
+        line = backend.precision_unavailable(config.train.precision)
+    if line is not None:
+        raise UsageError(line)
 
 
 def dataset_label(source: str) -> str:

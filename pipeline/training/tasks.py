@@ -57,6 +57,7 @@ class StepSpec(NamedTuple):
     displacement: bool = False  # report the squared distance the steps moved the params
     #                             (``delta_sq``, read by ipm's adaptive outer lr); off, 0.0: a
     #                             float64 pass over the state saved (18 ms a task, cifar10-2015)
+    precision: str = "fp32"  # the CPU convolutions' inputs: fp32 | bf16 (train.precision)
 
 
 class TrainResult(NamedTuple):
@@ -175,6 +176,7 @@ class EvalSpec(NamedTuple):
     backend: str = "chainer"
     cpu_kernels: str = "ours"  # as StepSpec.cpu_kernels
     threads: int = 0  # as StepSpec.threads (the same on a worker as its train tasks')
+    precision: str = "fp32"  # as StepSpec.precision
 
 
 def predict_proba(params: State, images: np.ndarray, spec: EvalSpec) -> np.ndarray:

@@ -253,6 +253,14 @@ class ChainerBackend:
                              f"{train.optimizer}: one update of a small Linear raised "
                              f"{one_line(exc, limit=200)}") from None
 
+    def precision_unavailable(self, precision: str) -> str | None:
+        """Why this process cannot run ``precision`` (bf16 runs on oneDNN), else None."""
+        from pipeline.backends.chainer.cpu_kernels import dnnl
+        if precision == "fp32" or dnnl.load() is not None:
+            return None
+        return f"--precision {precision} runs on oneDNN, which did not load " \
+               f"({dnnl.unavailable_reason()})"
+
     def check_model(self, model):
         from pipeline.backends.chainer.user_models import ZOO
         from pipeline.backends.user import is_import_path
@@ -357,7 +365,8 @@ class ChainerBackend:
         BLAS gets the threads."""
         ours = spec.device == "cpu" and spec.cpu_kernels == "ours"
         with limit_blas_threads(1 if ours else threads), \
-                chainer.using_config("cpu_kernel_threads", threads if ours else 1):
+                chainer.using_config("cpu_kernel_threads", threads if ours else 1), \
+                chainer.using_config("cpu_precision", getattr(spec, "precision", "fp32")):
             yield threads
 
 

@@ -61,12 +61,13 @@ class Context(NamedTuple):
                         eps=t.adam_eps, cpu_kernels=self.config.model.cpu_kernels,
                         optimizer_args=t.optimizer_args, grad_clip=t.grad_clip,
                         displacement=bool(self.config.average.adaptive_outer),
-                        backend=self.config.model.backend)
+                        backend=self.config.model.backend, precision=t.precision)
 
     def eval_spec(self) -> EvalSpec:
         return EvalSpec(self.model_spec, self.n_classes, self.config.train.tta,
                         self.device, cpu_kernels=self.config.model.cpu_kernels,
-                        backend=self.config.model.backend)
+                        backend=self.config.model.backend,
+                        precision=self.config.train.precision)
 
 
 class Live(NamedTuple):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.backends.chainer.cpu_kernels import onednn, sharing
+from pipeline.backends.chainer.cpu_kernels.bf16 import from_bf16
 from pipeline.backends.chainer.cpu_kernels.layout import out_size, pad_nhwc
 
 # Bytes of one im2col chunk: a few images' columns stay in the 1 MiB L2 between the copy and the
@@ -157,11 +158,17 @@ def _weight_rows(w, b=None):
     return wr
 
 
-def forward(x, w, b, stride: tuple, pad: tuple, threads: int = 1):
+def _f32(a):
+    """float32 of bf16 bits (uint16), for the NumPy path; anything else as it is."""
+    return from_bf16(a) if a.dtype == np.uint16 else a
+
+
+def forward(x, w, b, stride: tuple, pad: tuple, threads: int = 1, bf16: bool = False):
     """y = conv(x, w) + b: (N, H, W, C), (O, C, kh, kw), (O,) or None -> (N, Ho, Wo, O).
 
     Returns ``(y, source, source_pad)``: what the backward pass reads for gW, x itself with
-    ``pad`` or (``_source``) a padded copy with no more padding.
+    ``pad`` or (``_source``) a padded copy with no more padding; with ``bf16`` (oneDNN's bf16
+    convolution, where it runs) x's bf16 bits (uint16), rounded once for both passes.
     """
     n, h, wd, c = x.shape
     o, _, kh, kw = w.shape
@@ -171,9 +178,12 @@ def forward(x, w, b, stride: tuple, pad: tuple, threads: int = 1):
         return y, np.ascontiguousarray(x), tuple(pad)
     if onednn.usable(x.dtype, w.shape, stride, pad, (h, wd)):
         x = np.ascontiguousarray(x)
-        y = onednn.forward(x, w, b, tuple(stride), tuple(pad), threads)
+        if bf16:
+            x = onednn.as_bf16(x)
+        y = onednn.forward(x, w, b, tuple(stride), tuple(pad), threads, bf16)
         if y is not None:
             return y, x, tuple(pad)
+        x = _f32(x)
     ho, wo = out_size(h, kh, sy, ph), out_size(wd, kw, sx, pw)
     x, source_pad = _source(x, pad)
     y = np.empty((n, ho, wo, o), x.dtype)
@@ -190,7 +200,7 @@ def forward(x, w, b, stride: tuple, pad: tuple, threads: int = 1):
 
 
 def grad_w(x, gy, kh: int, kw: int, stride: tuple, pad: tuple = (0, 0), bias: bool = False,
-           threads: int = 1):
+           threads: int = 1, bf16: bool = False):
     """dL/dw and dL/db: x (N, H, W, C) padded by ``pad``, gy (N, Ho, Wo, O) -> ((O, C, kh, kw),
     (O,) or None).
 
@@ -200,11 +210,14 @@ def grad_w(x, gy, kh: int, kw: int, stride: tuple, pad: tuple = (0, 0), bias: bo
     n, h, wd, c = x.shape
     _, ho, wo, o = gy.shape
     if n == 0:
-        return np.zeros((o, c, kh, kw), gy.dtype), (np.zeros(o, gy.dtype) if bias else None)
+        dtype = _f32(gy[:0]).dtype
+        return np.zeros((o, c, kh, kw), dtype), (np.zeros(o, dtype) if bias else None)
     if onednn.usable(x.dtype, (o, c, kh, kw), stride, pad, (h, wd)):
-        done = onednn.grad_w(x, gy, (o, c, kh, kw), tuple(stride), tuple(pad), bias, threads)
+        done = onednn.grad_w(x, gy, (o, c, kh, kw), tuple(stride), tuple(pad), bias, threads,
+                             bf16 or x.dtype == np.uint16)
         if done is not None:
             return done
+    x, gy = _f32(x), _f32(gy)
     sy, sx = stride
     gy2 = gy.reshape(-1, o)
     if kh == kw == 1 and tuple(pad) == (0, 0):
@@ -233,7 +246,8 @@ def grad_w(x, gy, kh: int, kw: int, stride: tuple, pad: tuple = (0, 0), bias: bo
     return np.ascontiguousarray(gw), (gwt[:, k].copy() if bias else None)
 
 
-def grad_x(gy, w, x_shape: tuple, stride: tuple, pad: tuple, threads: int = 1):
+def grad_x(gy, w, x_shape: tuple, stride: tuple, pad: tuple, threads: int = 1,
+           bf16: bool = False):
     """dL/dx: gy (N, Ho, Wo, O), w (O, C, kh, kw) -> (N, H, W, C).
 
     Stride 1 with pad <= k - 1: the gradient is itself a convolution of gy, padded by
@@ -246,11 +260,13 @@ def grad_x(gy, w, x_shape: tuple, stride: tuple, pad: tuple, threads: int = 1):
     (sy, sx), (ph, pw) = stride, pad
     _, ho, wo, _ = gy.shape
     if n == 0:
-        return np.zeros(x_shape, gy.dtype)
+        return np.zeros(x_shape, _f32(gy[:0]).dtype)
     if onednn.usable(gy.dtype, w.shape, stride, pad, (h, wd)):
-        gx = onednn.grad_x(gy, w, tuple(x_shape), tuple(stride), tuple(pad), threads)
+        gx = onednn.grad_x(gy, w, tuple(x_shape), tuple(stride), tuple(pad), threads,
+                           bf16 or gy.dtype == np.uint16)
         if gx is not None:
             return gx
+    gy = _f32(gy)
     if (sy, sx) == (1, 1) and ph < kh and pw < kw:
         qh, qw = kh - 1 - ph, kw - 1 - pw
         # ho + 2*qh - kh + 1 == h exactly when the forward covered the input (true at stride 1)

@@ -8,8 +8,11 @@ First-order gradients only: double backprop raises.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from pipeline.backends.chainer.compat import chainer
-from pipeline.backends.chainer.cpu_kernels import convolution, normalization, pooling, sharing
+from pipeline.backends.chainer.cpu_kernels import (convolution, normalization, onednn, pooling,
+                                                   sharing)
 from pipeline.backends.chainer.cpu_kernels.layout import to_nchw, to_nhwc
 
 type_check = chainer.utils.type_check
@@ -45,8 +48,9 @@ class Convolution2D(chainer.FunctionNode):
     def forward_cpu(self, inputs):
         x, w = inputs[:2]
         b = inputs[2] if len(inputs) == 3 else None
+        self._bf16 = sharing.bf16()
         y, self._x, self._x_pad = convolution.forward(to_nhwc(x), w, b, self.stride, self.pad,
-                                                      sharing.threads())
+                                                      sharing.threads(), self._bf16)
         self._x_shape = (x.shape[0], x.shape[2], x.shape[3], x.shape[1])  # NHWC
         self.retain_inputs((1,))
         return to_nchw(y),
@@ -56,15 +60,17 @@ class Convolution2D(chainer.FunctionNode):
         w = self.get_retained_inputs()[0].array
         gy = to_nhwc(grad_outputs[0].array)
         grads = {}
+        if 2 in indexes and 1 not in indexes:  # from the float32 gy, before any rounding
+            grads[2] = gy.reshape(-1, gy.shape[-1]).sum(axis=0)
+        if self._bf16 and gy.dtype == w.dtype == np.float32:  # rounded once for both passes
+            gy = onednn.as_bf16(gy)
         if 0 in indexes:
             grads[0] = to_nchw(convolution.grad_x(gy, w, self._x_shape, self.stride, self.pad,
-                                                  sharing.threads()))
+                                                  sharing.threads(), self._bf16))
         if 1 in indexes:  # the bias gradient comes with it out of the same GEMMs
             grads[1], grads[2] = convolution.grad_w(self._x, gy, *w.shape[2:], self.stride,
                                                     self._x_pad, bias=2 in indexes,
-                                                    threads=sharing.threads())
-        elif 2 in indexes:
-            grads[2] = gy.reshape(-1, gy.shape[-1]).sum(axis=0)
+                                                    threads=sharing.threads(), bf16=self._bf16)
         return tuple(chainer.Variable(grads[i]) for i in indexes)
 
 

@@ -31,6 +31,11 @@ def threads() -> int:
     return max(1, int(getattr(chainer.config, "cpu_kernel_threads", 1)))
 
 
+def bf16() -> bool:
+    """Whether ``chainer.config.cpu_precision`` (default "fp32") asks for bf16 convolutions."""
+    return getattr(chainer.config, "cpu_precision", "fp32") == "bf16"
+
+
 def _pool(workers: int) -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:

@@ -35,7 +35,9 @@ import threading
 import numpy as np
 
 from pipeline.backends.chainer.compat import chainer
-from pipeline.backends.chainer.cpu_kernels import activations, functions, optimizers, use_ours
+from pipeline.backends.chainer.cpu_kernels import (activations, functions, optimizers, sharing,
+                                                   use_ours)
+from pipeline.backends.chainer.cpu_kernels import linear as bf16_linear
 
 # name -> the modules whose attribute of that name Chainer's links or users call through
 _HOMES = {
@@ -48,6 +50,7 @@ _HOMES = {
     "average_pooling_2d": ("chainer.functions", "chainer.functions.pooling.average_pooling_2d"),
     "spatial_pyramid_pooling_2d": ("chainer.functions",
                                    "chainer.functions.pooling.spatial_pyramid_pooling_2d"),
+    "linear": ("chainer.functions", "chainer.functions.connection.linear"),
 }
 # Chainer's own functions, taken from their defining modules before anything is replaced
 ORIGINAL = {name: getattr(importlib.import_module(homes[1]), name)
@@ -125,6 +128,14 @@ def spatial_pyramid_pooling_2d(x, pyramid_height, pooling=None):
     if _plain(x) and pooling == "max":
         return functions.spatial_pyramid_pooling_2d(x, pyramid_height, pooling)
     return ORIGINAL["spatial_pyramid_pooling_2d"](x, pyramid_height, pooling)
+
+
+def linear(x, W, b=None, n_batch_axes=1):
+    """``F.linear``: oneDNN's bf16 matmul under ``cpu_precision`` bf16 (one batch axis, float32
+    NumPy operands, our kernels), else Chainer's: fp32 runs keep their bits."""
+    if n_batch_axes == 1 and use_ours(x) and sharing.bf16() and bf16_linear.usable(x, W, b):
+        return bf16_linear.linear(x, W, b)
+    return ORIGINAL["linear"](x, W, b, n_batch_axes)
 
 
 DISPATCHERS = {name: globals()[name] for name in _HOMES}
