@@ -147,19 +147,21 @@ def make_ref(name: str, args: str, factory, size: tuple) -> ModelRef:
                     _token(path, shipped, args, size))
 
 
-def check_factory(path: str, factory) -> None:
-    """UsageError, in one line, unless ``factory`` is a ``chainer.Link`` subclass or a plain
-    Python function (``user.unfit``), checked before anything calls it: ``model.args`` come from
-    config.json, so ``os:system`` or ``subprocess:run`` would run them as a command."""
+def check_factory(path: str, factory, base=None, named: str = "",
+                  wanted: str = "a class or Python function returning a chainer.Link") -> None:
+    """UsageError, in one line, unless ``factory`` is a subclass of ``base`` (``chainer.Link``)
+    or a plain Python function (``user.unfit``), checked before anything calls it: ``model.args``
+    come from config.json, so ``os:system`` or ``subprocess:run`` would run them as a command.
+    ``named`` prefixes the path in the line ("optimizer "), ``wanted`` says what would do."""
+    base = base or chainer.Link
     inner = factory
     while isinstance(inner, functools.partial):
         inner = inner.func
     why = unfit(factory)
-    if why is None and isinstance(inner, type) and not issubclass(inner, chainer.Link):
-        why = "a class that is not a chainer.Link"
+    if why is None and isinstance(inner, type) and not issubclass(inner, base):
+        why = f"a class that is not a chainer.{base.__name__}"
     if why is not None:
-        raise UsageError(f"{path[:120]} is {why}, not a class or Python function returning a "
-                         f"chainer.Link")
+        raise UsageError(f"{named}{path[:120]} is {why}, not {wanted}")
 
 
 def check(ref: ModelRef, n_classes: int | None, seed: int = 0, train=None,

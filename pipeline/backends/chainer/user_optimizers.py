@@ -15,7 +15,6 @@ factory froze (``user_models.freeze``) stay frozen whichever form sets the optim
 """
 from __future__ import annotations
 
-import functools
 import inspect
 
 import numpy as np
@@ -23,8 +22,8 @@ import numpy as np
 from pipeline.backends import OptimizerRef
 from pipeline.backends.chainer.compat import F, L, chainer
 from pipeline.backends.chainer.state import get_lr
-from pipeline.backends.chainer.user_models import _ship, timed
-from pipeline.backends.user import import_factory, path_of, ship_by_value, unfit
+from pipeline.backends.chainer.user_models import _ship, check_factory, timed
+from pipeline.backends.user import import_factory, path_of, ship_by_value
 from pipeline.core.errors import UsageError, one_line
 
 
@@ -34,15 +33,8 @@ def make_ref(factory) -> OptimizerRef:
     path = factory if isinstance(factory, str) else path_of(factory)
     if isinstance(factory, str):
         factory = import_factory(factory, "--optimizer")
-    inner = factory
-    while isinstance(inner, functools.partial):
-        inner = inner.func
-    why = unfit(factory)
-    if why is None and isinstance(inner, type) and not issubclass(inner, chainer.Optimizer):
-        why = "a class that is not a chainer.Optimizer"
-    if why is not None:
-        raise UsageError(f"optimizer {path[:120]} is {why}, not a chainer.Optimizer class or a "
-                         f"Python function returning a chainer.Optimizer")
+    check_factory(path, factory, chainer.Optimizer, "optimizer ", "a chainer.Optimizer class or "
+                  "a Python function returning a chainer.Optimizer")
     takes_link = _takes_link(path, factory)
     ship_by_value(factory)
     return OptimizerRef(path, _ship(path, factory, "optimizer"), takes_link, None)
