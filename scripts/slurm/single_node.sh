@@ -135,9 +135,10 @@ stop() {  # DIR: safe to run twice, and after a failed start
   stop_pid "$dir/slurmd.pid"
   stop_pid "$dir/slurmctld.pid"
   # Whatever a job left (its processes carry this SLURM_CONF and a SLURM_JOB_ID): gone too.
+  local env pid vars
   for env in /proc/[0-9]*/environ; do
-    if tr '\0' '\n' <"$env" 2>/dev/null | grep -qx "SLURM_CONF=$dir/slurm.conf" \
-       && tr '\0' '\n' <"$env" 2>/dev/null | grep -q '^SLURM_JOB_ID='; then
+    vars="$( { tr '\0' '\n' <"$env"; } 2>/dev/null || true)"
+    if grep -qx "SLURM_CONF=$dir/slurm.conf" <<<"$vars" && grep -q '^SLURM_JOB_ID=' <<<"$vars"; then
       pid="${env#/proc/}"; kill -9 "${pid%/environ}" 2>/dev/null || true
     fi
   done
