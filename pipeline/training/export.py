@@ -52,14 +52,31 @@ def export(run_or_model, path, *, model=None, fmt: str = "onnx") -> Path:
     _need("onnx")
     from pipeline.backends import get_backend, model_label
     loaded = predicting.load(run_or_model, model)
-    spec = tasks.EvalSpec(loaded.name, len(loaded.class_names), cpu_kernels="chainer")
+    spec = tasks.EvalSpec(loaded.name, len(loaded.class_names), cpu_kernels="chainer",
+                          backend=loaded.backend)
     metadata = {"class_names": json.dumps(loaded.class_names), "image_size": loaded.side,
                 "crop": loaded.crop, "layout": LAYOUT, "pixels": PIXELS,
                 "mean": json.dumps([float(v) for v in spec.mean]),
                 "std": json.dumps([float(v) for v in spec.std]),
                 "model": model_label(loaded.name)}
     data = get_backend(spec.backend).export_onnx(loaded.params, spec, loaded.side, metadata)
-    return _write(Path(path), data)
+    written = _write(Path(path), data)
+    _tracked(run_or_model, written)
+    return written
+
+
+def _tracked(run_or_model, path: Path) -> None:
+    """A run tracked in MLflow (``mlflow`` in its config, ``OUT/mlflow.json``) gets the exported
+    file as one more artifact of its MLflow run (a server that is down: one warning line)."""
+    import sys
+    if not isinstance(run_or_model, (str, os.PathLike)):
+        return
+    from pipeline.outputs import mlflow_tracking
+    from pipeline.training.evaluate import run_config
+    uri = run_config(run_or_model).mlflow
+    if uri and (Path(run_or_model) / mlflow_tracking.RECORD).is_file():
+        mlflow_tracking.attach(run_or_model, path, uri,
+                               log=lambda line: print(line, file=sys.stderr))
 
 
 def _write(path: Path, data: bytes) -> Path:
