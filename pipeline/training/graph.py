@@ -182,11 +182,18 @@ class RoundGraph:
             log("the cluster forgot the dataset's blocks: loading them again")
             self.data, self._tests = self.reload(), None
 
+    def replace(self) -> None:
+        """Place the replicas again, on the workers there are now (``pipeline.training.elastic``
+        calls it at a round boundary where they changed): tasks submitted from here go to the new
+        homes and fetch the state and shards they need; those already submitted keep their soft
+        pins. The averaging plan is made again with it. Placement only: the same bits."""
+        self._plan = self._placement = None
+
     @property
     def placement(self) -> Placement:
         """Where this attempt's replicas live, their thread shares and how their tasks are held
-        there (``pipeline.training.placement``): made once, for the workers the averaging plan
-        saw."""
+        there (``pipeline.training.placement``): made for the workers the averaging plan saw,
+        once an attempt and again after ``replace``."""
         if self._placement is None:
             self._placement = place(self.client, self.config, self.average_plan(),
                                     self.train_resources, self.augment_resources)
@@ -327,15 +334,21 @@ class RoundGraph:
 
     def scatter_many(self, values: list, replica: int | None = None) -> list:
         """``scatter`` of several values in one round trip; a ``None`` stays ``None``."""
-        home = self.placement.home(replica) if replica is not None else None
-        where = [home] if home is not None else None
         present = [v for v in values if v is not None]
-        try:
-            futures = iter(self.client.scatter(present, hash=False, workers=where)
-                           if present else ())
-        except KeyError as exc:  # the scheduler no longer knows `where` (the watchdog retired
-            # it after this attempt placed its replicas): lost work, replayed by a new attempt
-            raise ConnectionError(f"scatter to {where}: the worker is gone ({exc})") from None
+        for again in (False, True):
+            home = self.placement.home(replica) if replica is not None else None
+            where = [home] if home is not None else None
+            try:
+                futures = iter(self.client.scatter(present, hash=False, workers=where)
+                               if present else ())
+                break
+            except KeyError as exc:  # the scheduler no longer knows `where`: retired since
+                # the last placement (Dask's retire_workers, an adaptive scale-down, the
+                # watchdog): place again once; gone again, it is lost work, replayed
+                if again:
+                    raise ConnectionError(f"scatter to {where}: the worker is gone ({exc})") \
+                        from None
+                self.replace()
         return [next(futures) if v is not None else None for v in values]
 
     def scatter_shared(self, value, round_index: int, what: str = "scatter") -> list:
