@@ -106,3 +106,22 @@ def test_a_retired_worker_hands_over_without_a_replay(tmp_path, fixed):
     assert lines[0]["workers"]["count"] == 3 and lines[-1]["workers"]["count"] == 1
     assert sum(len(x["workers"].get("left", ())) for x in lines) == 2
 
+
+
+def test_adapt_grows_for_waiting_replicas_and_records_workers(tmp_path, fixed):
+    import distributed
+
+    def wait_for_growth(line):  # a worker process starts in ~3 s: longer than these rounds
+        if line["round"] == JOIN_AFTER:
+            distributed.get_client().wait_for_workers(2, timeout=60)
+
+    config = make_config(BASE, out=str(tmp_path / "adapt"),
+                         **{"cluster.adapt": "1:2", "cluster.dashboard_address": ":0"})
+    result = train(config, on_round=wait_for_growth)  # the embedded cluster, under Adaptive
+    assert_same_bits(result.params, fixed.params)
+    lines = _lines(result)
+    assert len(lines) == 8 and all(x["replayed"] == 0 for x in lines)
+    counts = [x["workers"]["count"] for x in lines]
+    assert counts[0] == 1 and 2 in counts and all(1 <= c <= 2 for c in counts), counts
+    assert any(x["workers"].get("joined") for x in lines)
+    assert all(len(x["workers"]["names"]) == x["workers"]["count"] for x in lines)
