@@ -29,15 +29,21 @@ def _cluster(n: int):
 
 
 def _run(tmp_path, name: str, workers: int, on_round=None, stream: bool = False):
+    """(result, task-stream records if ``stream``, {address: name} at the end, the rounds
+    published for the /training page)."""
     from distributed import get_task_stream
+
+    from pipeline.outputs.dashboard import dashboard_events, training_events
     cluster, client = _cluster(workers)
     with cluster, client:
         hook = (lambda line: on_round(line, cluster, client)) if on_round else None
         config = make_config(BASE, out=str(tmp_path / name))
         with get_task_stream(client=client) as ts:
-            result = train(config, client=client, on_round=hook)
+            result = train(config, client=client, on_round=hook,
+                           hooks=[dashboard_events(client, run=name, page=False)])
         names = {a: str(w["name"]) for a, w in client.scheduler_info()["workers"].items()}
-    return result, (ts.data if stream else None), names
+        events = training_events(client, name)
+    return result, (ts.data if stream else None), names, events
 
 
 def _lines(result) -> list:
@@ -73,7 +79,7 @@ def test_workers_that_join_train_from_the_next_round_with_the_same_bits(tmp_path
             client.wait_for_workers(3, timeout=60)
             joined_at.update({a: line["round"] for a in client.scheduler_info()["workers"]})
 
-    grown, records, names = _run(tmp_path, "grown", 1, grow, stream=True)
+    grown, records, names, events = _run(tmp_path, "grown", 1, grow, stream=True)
     assert_same_bits(grown.params, fixed.params)
     by_worker = _train_rounds_by_worker(records)
     first = sorted(by_worker, key=lambda a: min(by_worker[a]))[0]
@@ -88,6 +94,7 @@ def test_workers_that_join_train_from_the_next_round_with_the_same_bits(tmp_path
     joins = [x["workers"]["joined"] for x in lines if x["workers"].get("joined")]
     assert sorted(n for j in joins for n in j) == sorted(names[a] for a in newcomers)
     assert all(x["replayed"] == 0 for x in lines)
+    assert [e["workers"] for e in events] == [x["workers"]["count"] for x in lines]  # /training
 
 
 def test_a_retired_worker_hands_over_without_a_replay(tmp_path, fixed):
@@ -98,7 +105,7 @@ def test_a_retired_worker_hands_over_without_a_replay(tmp_path, fixed):
             workers = sorted(client.scheduler_info()["workers"])
             retired.extend(client.retire_workers(workers[1:], close_workers=True))
 
-    shrunk, _, names = _run(tmp_path, "shrunk", 3, shrink)
+    shrunk, _, names, _ = _run(tmp_path, "shrunk", 3, shrink)
     assert len(retired) == 2 and len(names) == 1
     assert_same_bits(shrunk.params, fixed.params)
     lines = _lines(shrunk)
