@@ -118,6 +118,7 @@ class RoundGraph:
         self.payload_bytes = payload_bytes  # bytes of one replica's parameters
         self._perms: dict[int, np.ndarray] = {}
         self._placement: Placement | None = None  # made once an attempt (``placement``)
+        self._shares: tuple = ()  # each replica's thread share, from the first placement
         self.averaged_bytes = payload_bytes  # bytes per replica an average adds (auto weighs)
         self._plan: algorithms.Plan | None = None
         self._tests: list | None = None  # (images, labels) of each test chunk where it is read
@@ -186,7 +187,9 @@ class RoundGraph:
         """Place the replicas again, on the workers there are now (``pipeline.training.elastic``
         calls it at a round boundary where they changed): tasks submitted from here go to the new
         homes and fetch the state and shards they need; those already submitted keep their soft
-        pins. The averaging plan is made again with it. Placement only: the same bits."""
+        pins. The averaging plan is made again with it. Each replica keeps the thread share of
+        the attempt's first placement (with ``--cpu-kernels chainer`` BLAS's threads are part
+        of the arithmetic): placement only, the same bits."""
         self._plan = self._placement = None
 
     @property
@@ -195,8 +198,10 @@ class RoundGraph:
         there (``pipeline.training.placement``): made for the workers the averaging plan saw,
         once an attempt and again after ``replace``."""
         if self._placement is None:
-            self._placement = place(self.client, self.config, self.average_plan(),
-                                    self.train_resources, self.augment_resources)
+            placed = place(self.client, self.config, self.average_plan(),
+                           self.train_resources, self.augment_resources)
+            self._shares = self._shares or placed.threads  # fixed for the attempt
+            self._placement = placed._replace(threads=self._shares)
         return self._placement
 
     def _to_trainer(self, shard, replica: int, key: tuple):

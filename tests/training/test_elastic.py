@@ -132,3 +132,20 @@ def test_adapt_grows_for_waiting_replicas_and_records_workers(tmp_path, fixed):
     assert counts[0] == 1 and 2 in counts and all(1 <= c <= 2 for c in counts), counts
     assert any(x["workers"].get("joined") for x in lines)
     assert all(len(x["workers"]["names"]) == x["workers"]["count"] for x in lines)
+
+
+def test_a_replica_keeps_its_thread_share_when_placed_again(monkeypatch):
+    """With ``--cpu-kernels chainer`` BLAS's threads are part of the arithmetic: a replica placed
+    again on a worker with more threads keeps the share the attempt started with."""
+    from pipeline.training import graph as graphs
+    from pipeline.training.placement import Placement
+    placements = iter([Placement(("a", "a"), (1, 1), {}, False, True),
+                       Placement(("a", "b"), (2, 2), {}, False, True)])
+    monkeypatch.setattr(graphs, "place", lambda *args: next(placements))
+    graph = object.__new__(graphs.RoundGraph)
+    graph.client = graph.config = graph.train_resources = graph.augment_resources = None
+    graph._plan, graph._placement, graph._shares = "plan", None, ()
+    assert graph.placement.threads == (1, 1)
+    graph.replace()
+    graph._plan = "plan"
+    assert graph.placement.homes == ("a", "b") and graph.placement.threads == (1, 1)
