@@ -237,32 +237,35 @@ def _new_embedded(cfg: ClusterConfig, gpus: list[str], roles: Roles) -> distribu
     return distributed.SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.WARN)
 
 
-# The train- task states of a replica that waits for, or runs on, a worker: submitted and not
-# done (a round submitted one ahead waits on its inputs).
-UNFINISHED = ("waiting", "queued", "no-worker", "processing")
+# The train- task states that mean a run is training a replica: submitted and not done (a round
+# submitted one ahead waits on its inputs), or its result held for the next round.
+TRAINING = ("waiting", "queued", "no-worker", "processing", "memory")
 
 
-def waiting_replicas(tasks) -> int:
-    """Replicas with a train- task not done among the scheduler's ``TaskState``s ``tasks``.
+def training_replicas(tasks) -> int:
+    """Replicas with a train- task among the scheduler's ``TaskState``s ``tasks`` that is not
+    done or whose result is held (:data:`TRAINING`).
 
     >>> from types import SimpleNamespace as T
-    >>> waiting_replicas([T(key=("train-0123abcd", 4, k, "params"), state="waiting")
-    ...                   for k in range(3)] + [T(key=("train-0123abcd", 3, 0), state="memory")])
+    >>> training_replicas([T(key=("train-0123abcd", 4, k, "params"), state="waiting")
+    ...                    for k in range(3)] + [T(key=("train-0123abcd", 3, 3), state="released")])
     3
     """
     from pipeline.core.keys import train_replica
-    return len({train_replica(ts.key) for ts in tasks if ts.state in UNFINISHED} - {None})
+    return len({train_replica(ts.key) for ts in tasks if ts.state in TRAINING} - {None})
 
 
 class ReplicaAdaptive(distributed.Adaptive):
-    """Dask's adaptive scaling (``--adapt MIN:MAX``), its target raised to the replicas with
-    a train- task not done: Dask's own (pending tasks' expected run time over 5 s) wanted one
-    worker for a whole run of small rounds (ipm K=3, small-cnn: each task ~0.1 s), so a replica
-    waiting for a busy worker never got one of its own. Between runs no train- task is left and
-    Dask's target scales it down."""
+    """Dask's adaptive scaling (``--adapt MIN:MAX``), its target raised to the replicas a run
+    is training (one one-thread worker each, as placement wants them): Dask's own (pending
+    tasks' expected run time over 5 s) wanted one worker for a whole run of small rounds (ipm
+    K=3, small-cnn: each task ~0.1 s), so replicas waiting for a busy worker never got one of
+    their own. Counted from the train- tasks the scheduler holds, so a driver busy between
+    rounds (a checkpoint, a slow hook) keeps the target; once a run is over none are left and
+    Dask's target scales the cluster down."""
 
     async def target(self) -> int:
-        ours = waiting_replicas(self.cluster.scheduler.tasks.values())  # same event loop
+        ours = training_replicas(self.cluster.scheduler.tasks.values())  # same event loop
         return max(await super().target(), min(ours, self.maximum))
 
 
