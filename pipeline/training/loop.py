@@ -312,7 +312,8 @@ class _Loop:
                             bytes_averaged=strategy.bytes_averaged(rnd),
                             extra={**strategy.round_fields(rnd, metrics, pending.records),
                                    "replayed": self.replayed,
-                                   "workers": self.members.field(rnd.index)})
+                                   "workers": self.members.field(rnd.index),
+                                   "transfers": self.clock.transfers(rnd.index)})
 
     def _watch_workers(self, rnd: int) -> None:
         """One line per worker that left, or that its nanny started again, since the last

@@ -94,6 +94,9 @@ def test_workers_that_join_train_from_the_next_round_with_the_same_bits(tmp_path
     joins = [x["workers"]["joined"] for x in lines if x["workers"].get("joined")]
     assert sorted(n for j in joins for n in j) == sorted(names[a] for a in newcomers)
     assert all(x["replayed"] == 0 for x in lines)
+    # one worker holds every input; the newcomers fetch the state and shards they train on
+    assert all(x["transfers"] == 0 for x in lines[:JOIN_AFTER + 1])
+    assert all(x["transfers"] > 0 for x in lines[JOIN_AFTER + 2:]), [x["transfers"] for x in lines]
     assert [e["workers"] for e in events] == [x["workers"]["count"] for x in lines]  # /training
 
 
