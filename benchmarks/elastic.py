@@ -8,7 +8,8 @@ in the join's rounds, which are left out of both rates); the replicas are placed
 from the next round boundary (``pipeline.training.elastic``). The fixed run has its 3 workers
 from the start. Rates come from the runs' metrics lines (images and seconds per round): before
 = rounds 1..join-after (round 0 holds each worker's first imports), after = join-after+3..end;
-the fixed run's over the same rounds. Both runs must end with the same bytes (the script fails
+the fixed run's over the same rounds; ``*_transfers_after``: the fetches from another worker in
+those rounds (metrics.jsonl ``transfers``). Both runs must end with the same bytes (the script fails
 otherwise).
 
     flock /work/cpu.lock .venv/bin/python benchmarks/elastic.py        # ~1 min on 2 cores
@@ -66,6 +67,8 @@ def main() -> None:
         "grown_after": round(rate(grown["history"], j + 3, end), 1),
         "fixed3_before": round(rate(fixed["history"], 1, j), 1),
         "fixed3_after": round(rate(fixed["history"], j + 3, end), 1),
+        "grown_transfers_after": sum(x["transfers"] for x in grown["history"][j + 3:]),
+        "fixed3_transfers_after": sum(x["transfers"] for x in fixed["history"][j + 3:]),
         "workers": [line["workers"]["count"] for line in grown["history"]],
         "same_bits": True,
     }
