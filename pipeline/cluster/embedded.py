@@ -16,7 +16,7 @@ import distributed
 from dask.system import CPU_COUNT
 
 from pipeline.cluster.resources import EMBEDDED, rank_resource
-from pipeline.core.config_cluster import ClusterConfig
+from pipeline.core.config_cluster import ClusterConfig, adapt_bounds
 from pipeline.core.errors import ClusterError, one_line
 
 
@@ -81,7 +81,7 @@ def threads_per_worker(cfg: ClusterConfig, replicas: int, kernels: str, gpus=())
     if cfg.threads_per_worker is not None:
         return cfg.threads_per_worker
     alone = (replicas == 1 and kernels == "ours" and not gpus and not cfg.workers
-             and not cfg.loader_workers and not cfg.scheduler)
+             and not cfg.loader_workers and not cfg.scheduler and not cfg.adapt)
     return max(1, CPU_COUNT) if alone else 1
 
 
@@ -193,12 +193,22 @@ def check_capacity(processes: int, cores: int = CPU_COUNT, available: int | None
 def _new_embedded(cfg: ClusterConfig, gpus: list[str], roles: Roles) -> distributed.SpecCluster:
     threads, loaders = cfg.threads_per_worker or 1, cfg.loader_workers
     n_cpu = cfg.workers or default_workers(threads, len(gpus), loaders)
-    check_capacity(n_cpu + loaders + len(gpus) * cfg.gpu_workers_per_device)
+    bounds = adapt_bounds(cfg.adapt) if cfg.adapt else None
+    if bounds is not None and gpus:
+        raise ClusterError(f"cluster.adapt {cfg.adapt}: adaptive scaling starts CPU workers "
+                           f"only; this machine's GPUs ({len(gpus)}) need fixed GPU workers: "
+                           "give --workers N, or CUDA_VISIBLE_DEVICES= to train on the CPU")
+    n_cpu = bounds[0] if bounds else n_cpu
+    check_capacity((bounds[1] if bounds else n_cpu) + loaders +
+                   len(gpus) * cfg.gpu_workers_per_device)
     if not gpus and not loaders:
-        return distributed.LocalCluster(
+        cluster = distributed.LocalCluster(
             n_workers=n_cpu, threads_per_worker=threads, processes=True, host="127.0.0.1",
             dashboard_address=cfg.dashboard_address, resources={roles.load: threads},
             preload=_worker_preloads())
+        if bounds is not None:
+            cluster.adapt(Adaptive=ReplicaAdaptive, minimum=bounds[0], maximum=bounds[1])
+        return cluster
     # Unlike workers: LocalCluster gives all workers the same options, SpecCluster one spec each.
     # Beside loaders the CPU workers train, unless GPU workers do (then they load as well).
     # The training workers are ranks (`rank_resource`): replica k's train- tasks can be held to
@@ -225,6 +235,38 @@ def _new_embedded(cfg: ClusterConfig, gpus: list[str], roles: Roles) -> distribu
         "host": "127.0.0.1", "port": 0, "dashboard": True,
         "dashboard_address": cfg.dashboard_address}}
     return distributed.SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.WARN)
+
+
+# The train- task states that mean a run is training a replica: submitted and not done (a round
+# submitted one ahead waits on its inputs), or its result held for the next round.
+TRAINING = ("waiting", "queued", "no-worker", "processing", "memory")
+
+
+def training_replicas(tasks) -> int:
+    """Replicas with a train- task among the scheduler's ``TaskState``s ``tasks`` that is not
+    done or whose result is held (:data:`TRAINING`).
+
+    >>> from types import SimpleNamespace as T
+    >>> training_replicas([T(key=("train-0123abcd", 4, k, "params"), state="waiting")
+    ...                    for k in range(3)] + [T(key=("train-0123abcd", 3, 3), state="released")])
+    3
+    """
+    from pipeline.core.keys import train_replica
+    return len({train_replica(ts.key) for ts in tasks if ts.state in TRAINING} - {None})
+
+
+class ReplicaAdaptive(distributed.Adaptive):
+    """Dask's adaptive scaling (``--adapt MIN:MAX``), its target raised to the replicas a run
+    is training (one one-thread worker each, as placement wants them): Dask's own (pending
+    tasks' expected run time over 5 s) wanted one worker for a whole run of small rounds (ipm
+    K=3, small-cnn: each task ~0.1 s), so replicas waiting for a busy worker never got one of
+    their own. Counted from the train- tasks the scheduler holds, so a driver busy between
+    rounds (a checkpoint, a slow hook) keeps the target; once a run is over none are left and
+    Dask's target scales the cluster down."""
+
+    async def target(self) -> int:
+        ours = training_replicas(self.cluster.scheduler.tasks.values())  # same event loop
+        return max(await super().target(), min(ours, self.maximum))
 
 
 def _worker_preloads() -> list[str]:

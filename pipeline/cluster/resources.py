@@ -19,6 +19,22 @@ EMBEDDED: weakref.WeakSet = weakref.WeakSet()
 RANK = "RANK-"  # prefix of the resource that names a training worker's rank: RANK-0, RANK-1, ...
 
 
+# A worker in these states takes no new task: Dask is retiring it (``retire_workers``, an
+# adaptive scale-down: it hands its keys over, then closes) or it is closing.
+LEAVING = ("closing_gracefully", "closing", "closed", "failed")
+
+
+def staying(workers: dict) -> dict:
+    """The entries of ``scheduler_info()["workers"]`` that are not leaving (:data:`LEAVING`):
+    the workers a placement may give replicas to.
+
+    >>> sorted(staying({"a": {"status": "running"}, "b": {"status": "closing_gracefully"},
+    ...                 "c": {}}))
+    ['a', 'c']
+    """
+    return {a: w for a, w in workers.items() if w.get("status") not in LEAVING}
+
+
 def rank_resource(rank: int) -> str:
     """The resource a training worker of rank `rank` advertises (as much as its train resource):
     `dask worker ADDR --resources "GPU=1,RANK-0=1"` on an external cluster.

@@ -26,6 +26,20 @@ def dashboard_port(address: str) -> int | None:
     return int(port) if int(port) <= 65535 else None
 
 
+def adapt_bounds(text: str) -> tuple[int, int] | None:
+    """``(minimum, maximum)`` workers of a ``cluster.adapt`` value ``MIN:MAX``, or None when it
+    is not one with 1 <= MIN <= MAX <= 1024.
+
+    >>> adapt_bounds("1:3"), adapt_bounds("3:1"), adapt_bounds("0:2"), adapt_bounds("x")
+    ((1, 3), None, None, None)
+    """
+    match = re.fullmatch(r"(\d{1,4}):(\d{1,4})", text) if isinstance(text, str) else None
+    if match is None:
+        return None
+    low, high = int(match[1]), int(match[2])
+    return (low, high) if 1 <= low <= high <= 1024 else None
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     scheduler: str | None = opt(None, "a running dask scheduler (tcp://HOST:PORT) instead of a "
@@ -34,6 +48,12 @@ class ClusterConfig:
     workers: int | None = opt(None, "local cluster: CPU worker processes", flag="--workers",
                               metavar="N", none="the cores that GPU and loader workers leave, "
                               "over --threads-per-worker")
+    # Elastic runs: pipeline.training.elastic places the replicas again where workers changed.
+    adapt: str | None = opt(None, "local cluster: Dask's adaptive scaling between MIN and MAX "
+                            "one-thread CPU worker processes (a worker that joins trains from "
+                            "the next round; one scaled down hands its replicas over)",
+                            flag="--adapt", metavar="MIN:MAX",
+                            none="a fixed number of workers (--workers)")
     threads_per_worker: int | None = opt(None, "local cluster: threads per worker process (a "
                                          "train task gets its worker's threads over the "
                                          "replicas placed there)", flag="--threads-per-worker",
@@ -94,6 +114,12 @@ class ClusterConfig:
         check_types(self, "cluster.")
         check(self.workers is None or 1 <= self.workers <= 1024, "cluster.workers",
                "must be in [1, 1024]", self.workers)
+        check(self.adapt is None or adapt_bounds(self.adapt) is not None, "cluster.adapt",
+              "must be MIN:MAX with 1 <= MIN <= MAX <= 1024", self.adapt)
+        for other, given in (("scheduler", self.scheduler), ("workers", self.workers),
+                             ("loader_workers", self.loader_workers)):
+            check(self.adapt is None or not given, "cluster.adapt",
+                  f"sizes the local cluster itself: give it without cluster.{other}", self.adapt)
         check(self.threads_per_worker is None or 1 <= self.threads_per_worker <= 1024,
               "cluster.threads_per_worker", "must be in [1, 1024]", self.threads_per_worker)
         tls = (self.tls_ca_file, self.tls_cert, self.tls_key)

@@ -129,3 +129,17 @@ def round_of(key) -> int | None:
     if stage_of(parts) in (None, "load") or len(parts) < 2 or not isinstance(parts[1], int):
         return None
     return parts[1]
+
+
+def train_replica(key) -> int | None:
+    """The replica of a ``train-`` key (or of one of its picks); None for any other key.
+
+    >>> train_replica(("train-0123abcd", 7, 2)), train_replica(("train-0123abcd", 7, 2, "opt"))
+    (2, 2)
+    >>> train_replica(("average-0123abcd", 7, 2)) is None
+    True
+    """
+    parts = _as_tuple(key)
+    if stage_of(parts) != "train" or len(parts) < 3 or not isinstance(parts[2], int):
+        return None
+    return parts[2]

@@ -24,8 +24,9 @@ TOPIC = "training"  # scheduler event topic of the rounds
 ACTION = "training-round"  # the "action" of a round on the dashboard's /events page
 PAGE = "training"  # dashboard page path, under the dashboard's prefix
 REFRESH_MS = 500  # how often the /training page reads the event log
-_SCALARS = (*COLUMNS, "rounds")  # an event's numbers: a line's, and the run's round count
-_INTS = (*INTEGERS, "rounds")
+# An event's numbers: a line's, the run's round count, the round's workers (its count).
+_SCALARS = (*COLUMNS, "rounds", "workers")
+_INTS = (*INTEGERS, "rounds", "workers")
 MAX_RUN_LABEL = 80  # characters of a run label shown or published
 MAX_STAGES = 32  # stage_seconds entries kept from an event
 MAX_POINTS = 1000  # points a /training curve holds; past it every other one is dropped
@@ -38,14 +39,17 @@ MAX_POINTS = 1000  # points a /training curve holds; past it every other one is 
 def event_of(line: dict, run: str, rounds: int | None = None) -> dict:
     """A round's metrics dict -> the scheduler event: msgpack-safe scalars, the run label and
     ``action`` (what the /events page groups by); ``stage_seconds`` kept as a flat dict;
-    ``rounds``, the run's number of rounds, when known.
+    ``rounds``, the run's number of rounds, when known; ``workers``, the count of the line's.
 
-    >>> event_of({"round": 2, "train_acc": 0.5, "stage_seconds": {"train": 1.5}}, "ipm")
-    {'action': 'training-round', 'run': 'ipm', 'round': 2, 'train_acc': 0.5,
+    >>> event_of({"round": 2, "train_acc": 0.5, "stage_seconds": {"train": 1.5},
+    ...           "workers": {"count": 3, "names": ["0", "1", "2"], "joined": ["2"]}}, "ipm")
+    {'action': 'training-round', 'run': 'ipm', 'round': 2, 'train_acc': 0.5, 'workers': 3,
      'stage_seconds': {'train': 1.5}}
     """
     if rounds is not None:
         line = {**line, "rounds": int(rounds)}
+    if isinstance(line.get("workers"), dict):  # names stay in metrics.jsonl
+        line = {**line, "workers": line["workers"].get("count", 0)}
     event = {"action": ACTION, "run": str(run)[:MAX_RUN_LABEL]}
     for key in _SCALARS:
         if key in line:

@@ -73,6 +73,10 @@ def status_html(run: str, rows: Sequence[dict], stages: dict | None = None) -> s
     ...                               "train_loss": 2.0, "train_acc": 0.3, "seconds": 10.0}])
     >>> "<b>ipm-1</b>: 2 of 4 rounds done" in text, "ETA 10 s" in text, "round 1 epoch" in text
     (True, True, True)
+    >>> rows = [{"round": 0, "epoch_float": .25, "train_loss": 2, "train_acc": .1, "workers": 1},
+    ...         {"round": 1, "epoch_float": .5, "train_loss": 2, "train_acc": .1, "workers": 3}]
+    >>> status_html("r", rows).split("<br>")[0]
+    '<b>r</b>: 2 rounds done (0 s so far; round 1 on 3 workers, 2 joined)'
     """
     p = progress_of(rows, stages)
     of = f" of {p['rounds']}" if p["rounds"] is not None else ""
@@ -80,10 +84,28 @@ def status_html(run: str, rows: Sequence[dict], stages: dict | None = None) -> s
            else "")
     plural = "s" if p["rounds"] is not None or p["done"] != 1 else ""
     head = (f"<b>{html.escape(str(run))}</b>: {p['done']}{of} round{plural} done "
-            f"({duration(p['seconds'])} so far{eta})")
+            f"({duration(p['seconds'])} so far{eta}{workers_note(rows)})")
     total = sum(p["stages"].values()) or 1.0
     cells = "".join(f"<td style='padding:0 8px'>{html.escape(str(stage))}<br>{sec:.1f} s "
                     f"({100 * sec / total:.0f}%)</td>"
                     for stage, sec in sorted(p["stages"].items(), key=lambda kv: -kv[1]))
     table = f"<table><tr><td>time per stage:</td>{cells}</tr></table>" if cells else ""
     return f"{head}<br>{html.escape(format_line(rows[-1]))}{table}"
+
+
+def workers_note(rows: Sequence[dict]) -> str:
+    """``; round R on N workers`` and the change from the round before (``, 2 joined``,
+    ``, 1 left``), for rows that record their workers (an elastic run's); else ``""``.
+
+    >>> workers_note([{"round": 4, "workers": 3}, {"round": 5, "workers": 2}])
+    '; round 5 on 2 workers, 1 left'
+    >>> workers_note([{"round": 0}])
+    ''
+    """
+    last = rows[-1]
+    if not isinstance(last.get("workers"), int):
+        return ""
+    n, before = last["workers"], rows[-2].get("workers") if len(rows) > 1 else None
+    change = "" if not isinstance(before, int) or before == n else \
+        f", {abs(n - before)} {'joined' if n > before else 'left'}"
+    return f"; round {last['round']} on {n} worker{'s' if n != 1 else ''}{change}"

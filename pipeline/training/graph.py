@@ -118,6 +118,7 @@ class RoundGraph:
         self.payload_bytes = payload_bytes  # bytes of one replica's parameters
         self._perms: dict[int, np.ndarray] = {}
         self._placement: Placement | None = None  # made once an attempt (``placement``)
+        self._shares: tuple = ()  # each replica's thread share, from the first placement
         self.averaged_bytes = payload_bytes  # bytes per replica an average adds (auto weighs)
         self._plan: algorithms.Plan | None = None
         self._tests: list | None = None  # (images, labels) of each test chunk where it is read
@@ -182,14 +183,25 @@ class RoundGraph:
             log("the cluster forgot the dataset's blocks: loading them again")
             self.data, self._tests = self.reload(), None
 
+    def replace(self) -> None:
+        """Place the replicas again, on the workers there are now (``pipeline.training.elastic``
+        calls it at a round boundary where they changed): tasks submitted from here go to the new
+        homes and fetch the state and shards they need; those already submitted keep their soft
+        pins. The averaging plan is made again with it. Each replica keeps the thread share of
+        the attempt's first placement (with ``--cpu-kernels chainer`` BLAS's threads are part
+        of the arithmetic): placement only, the same bits."""
+        self._plan = self._placement = None
+
     @property
     def placement(self) -> Placement:
         """Where this attempt's replicas live, their thread shares and how their tasks are held
-        there (``pipeline.training.placement``): made once, for the workers the averaging plan
-        saw."""
+        there (``pipeline.training.placement``): made for the workers the averaging plan saw,
+        once an attempt and again after ``replace``."""
         if self._placement is None:
-            self._placement = place(self.client, self.config, self.average_plan(),
-                                    self.train_resources, self.augment_resources)
+            placed = place(self.client, self.config, self.average_plan(),
+                           self.train_resources, self.augment_resources)
+            self._shares = self._shares or placed.threads  # fixed for the attempt
+            self._placement = placed._replace(threads=self._shares)
         return self._placement
 
     def _to_trainer(self, shard, replica: int, key: tuple):
@@ -327,15 +339,21 @@ class RoundGraph:
 
     def scatter_many(self, values: list, replica: int | None = None) -> list:
         """``scatter`` of several values in one round trip; a ``None`` stays ``None``."""
-        home = self.placement.home(replica) if replica is not None else None
-        where = [home] if home is not None else None
         present = [v for v in values if v is not None]
-        try:
-            futures = iter(self.client.scatter(present, hash=False, workers=where)
-                           if present else ())
-        except KeyError as exc:  # the scheduler no longer knows `where` (the watchdog retired
-            # it after this attempt placed its replicas): lost work, replayed by a new attempt
-            raise ConnectionError(f"scatter to {where}: the worker is gone ({exc})") from None
+        for again in (False, True):
+            home = self.placement.home(replica) if replica is not None else None
+            where = [home] if home is not None else None
+            try:
+                futures = iter(self.client.scatter(present, hash=False, workers=where)
+                               if present else ())
+                break
+            except KeyError as exc:  # the scheduler no longer knows `where`: retired since
+                # the last placement (Dask's retire_workers, an adaptive scale-down, the
+                # watchdog): place again once; gone again, it is lost work, replayed
+                if again:
+                    raise ConnectionError(f"scatter to {where}: the worker is gone ({exc})") \
+                        from None
+                self.replace()
         return [next(futures) if v is not None else None for v in values]
 
     def scatter_shared(self, value, round_index: int, what: str = "scatter") -> list:

@@ -28,7 +28,7 @@ from pipeline.outputs import run_dir as outputs
 from pipeline.core.state import HostState
 from pipeline.outputs.hooks import RunInfo
 from pipeline.outputs.metrics import line as metrics_line
-from pipeline.training import prepare, recovery, strategies
+from pipeline.training import elastic, prepare, recovery, strategies
 from pipeline.training.attempt import Attempt, Pending
 from pipeline.training.extensions import RoundState, curve_labels, standard
 from pipeline.training.prepare import Prepared, Setup
@@ -212,6 +212,7 @@ class _Loop:
         # Rounds computed again after lost work, over the whole run (metrics.jsonl "replayed").
         self.replayed = int(history[-1].get("replayed", 0)) if history else 0
         self.workers = recovery.roster(client)  # {address: name}: who left or came back
+        self.members = elastic.Membership(client, log, self.config.train.replicas)  # joins
         # read now: once the scheduler is gone the client no longer knows where it was
         self.scheduler = getattr(client.scheduler, "address", None) or "?"
 
@@ -244,6 +245,7 @@ class _Loop:
             if self.stop is not None and self.stop.requested:
                 self._stop_now(attempt, stream)
             evaluate = self.ctx.eval_spec() if self.schedule.evaluates(rnd) else None
+            self.members.boundary(attempt.graph, rnd.index)  # placed again if workers changed
             attempt.submit(rnd, self.config.augment.prefetch, evaluate)
             for pending in attempt.due(self.schedule.anchors(rnd, attempt.anchor.round)):
                 state = self._collect(attempt, pending, stream)
@@ -309,7 +311,9 @@ class _Loop:
                             stage_seconds=self.clock.stage_seconds(rnd.index, strategy.stages),
                             bytes_averaged=strategy.bytes_averaged(rnd),
                             extra={**strategy.round_fields(rnd, metrics, pending.records),
-                                   "replayed": self.replayed})
+                                   "replayed": self.replayed,
+                                   "workers": self.members.field(rnd.index),
+                                   "transfers": self.clock.transfers(rnd.index)})
 
     def _watch_workers(self, rnd: int) -> None:
         """One line per worker that left, or that its nanny started again, since the last

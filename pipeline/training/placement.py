@@ -1,6 +1,8 @@
 """Where an attempt's replicas live: each replica's worker, its share of that worker's threads and
-how a task of it is held there, computed once per attempt from the workers the cluster has then
-(``place``), and read by the graph builder (``pipeline.training.graph``) as a value.
+how a task of it is held there, computed from the workers the cluster has then (``place``): once
+per attempt, and again at a round boundary where the training workers changed
+(``pipeline.training.elastic``); read by the graph builder (``pipeline.training.graph``) as a
+value.
 
 Placement decides where tasks run, never what they compute: the bits are the same wherever the
 replicas are (the BLAS thread count each caps itself at is its share, the same for every replica
@@ -80,7 +82,8 @@ def place(client, config: Config, plan: Plan, train_resources: dict | None,
     where the averaging plan put them, else with ``cluster.pin_replicas`` replica k on worker
     k mod W of the W workers offering the train resources (by rank where they advertise
     ``RANK-i``, else by worker name), as a rank stays on its GPU; else anywhere."""
-    info = client.scheduler_info(n_workers=-1)["workers"]
+    from pipeline.cluster.resources import staying
+    info = staying(client.scheduler_info(n_workers=-1)["workers"])  # not the ones retiring
     workers, ranks = _train_workers(client, info, train_resources)
     k = config.train.replicas
     if plan.placement is not None:

@@ -36,6 +36,7 @@ class StageClock:
         self.clock = clock
         self.by_round: dict[int, dict] = {}
         self.intervals: dict[int, list] = {}
+        self.fetches: dict[int, int] = {}  # round -> its tasks' fetches from other workers
         self.last = clock()
 
     def account(self, records: list, collecting: int) -> None:
@@ -52,6 +53,22 @@ class StageClock:
                 if ss.get("action") == "compute":
                     stages[stage] = stages.get(stage, 0.0) + ss["stop"] - ss["start"]
                     self.intervals.setdefault(r, []).append((ss["start"], ss["stop"]))
+                elif ss.get("action") == "transfer":
+                    self.fetches[r] = self.fetches.get(r, 0) + 1
+
+    def transfers(self, r: int) -> int:
+        """Round ``r``'s fetches of task inputs from another worker (a worker's gather from
+        one other worker counts once: state and shards moving to a worker that joined, the
+        averages' inputs). Forgets round ``r``.
+
+        >>> clock = StageClock()
+        >>> clock.account([{"key": ("train-0123abcd", 2, 1), "startstops": [
+        ...     {"action": "transfer", "start": 0, "stop": 1}, {"action": "compute", "start": 1,
+        ...     "stop": 2}]}], collecting=2)
+        >>> clock.transfers(2), clock.transfers(2)
+        (1, 0)
+        """
+        return self.fetches.pop(r, 0)
 
     def stage_seconds(self, r: int, shown: tuple) -> dict:
         """Round ``r``'s seconds per stage for the stages in ``shown`` (0.0 when none ran) and

@@ -69,3 +69,16 @@ def test_declared_choices_are_what_validation_accepts(name, f):
         return  # (tests/training/test_round_trip.py::test_the_kinds_are_the_readers_own)
     with pytest.raises(ValueError, match=name.replace(".", r"\.")):
         Config().replace(**{name: "bogus"}).validate()
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"cluster.adapt": "3:1"}, "cluster.adapt must be MIN:MAX with 1 <= MIN <= MAX <= 1024"),
+    ({"cluster.adapt": "0:2"}, "cluster.adapt must be MIN:MAX"),
+    ({"cluster.adapt": "1:2", "cluster.workers": 2}, "give it without cluster.workers"),
+    ({"cluster.adapt": "1:2", "cluster.scheduler": "tcp://h:1"},
+     "give it without cluster.scheduler"),
+])
+def test_adapt_is_min_colon_max_on_a_local_cluster(changes, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Config().replace(**changes).validate()
+    Config().replace(**{"cluster.adapt": "1:3"}).validate()

@@ -50,10 +50,13 @@ def get(name: str):
 
 
 def workers_by_host(client, resources: dict | None = None) -> dict[str, list[str]]:
-    """``{host: [worker address, ...]}`` of the workers that offer ``resources``."""
+    """``{host: [worker address, ...]}`` of the workers that offer ``resources`` (not those
+    Dask is retiring: ``cluster.resources.staying``)."""
     from distributed.comm import get_address_host
+
+    from pipeline.cluster.resources import staying
     out: dict[str, list[str]] = {}
-    for address, info in client.scheduler_info(n_workers=-1)["workers"].items():
+    for address, info in staying(client.scheduler_info(n_workers=-1)["workers"]).items():
         have = info.get("resources") or {}
         if all(have.get(name, 0) >= amount for name, amount in (resources or {}).items()):
             out.setdefault(get_address_host(address), []).append(address)
