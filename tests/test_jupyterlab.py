@@ -53,9 +53,12 @@ def jupyterlab(tmp_path):
            "MPLBACKEND": "Agg", "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
            "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
            # the Dask panel's NEW: one in-process worker, its dashboard on a free local port,
-           # linked as 127.0.0.1 (jupyter-server-proxy forwards only to localhost by default)
+           # linked as 127.0.0.1 (jupyter-server-proxy forwards only to localhost by default);
+           # dask merges these into the shipped factory's kwargs, whose host 127.0.0.1 an
+           # in-process cluster takes over TCP (its default inproc:// has no host)
            "DASK_LABEXTENSION__FACTORY__KWARGS": "{'n_workers': 1, 'processes': False, "
                                                  "'threads_per_worker': 1, "
+                                                 "'protocol': 'tcp://', "
                                                  "'dashboard_address': '127.0.0.1:0'}",
            "DASK_DISTRIBUTED__DASHBOARD__LINK": "http://127.0.0.1:{port}/status"}
     env.pop("DASK_SCHEDULER_ADDRESS", None)
