@@ -9,6 +9,7 @@ import importlib.util
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -85,6 +86,24 @@ def slurm(tmp_path_factory):
         assert not directory.exists()
 
 
+def _wait_for_jobs(client, conf: Path, logs: Path, timeout: float = 300) -> None:
+    """Both workers' jobs running and connected; else fail with what Slurm says of them (the
+    queue with its reasons, the node, the jobs' and slurmd's logs), so a CI failure tells why."""
+    from distributed.exceptions import WorkerStartTimeoutError
+    try:
+        client.wait_for_workers(JOBS, timeout=timeout)
+    except (WorkerStartTimeoutError, TimeoutError) as exc:
+        def run(*args):
+            done = subprocess.run(list(args), capture_output=True, text=True, timeout=30)
+            return (done.stdout + done.stderr).strip()
+        tails = [f"{f.name}: {f.read_text()[-800:]}" for f in sorted(logs.glob("*"))]
+        slurmd = conf.parent / "slurmd.log"
+        pytest.fail(f"{exc}\nsqueue: {run('squeue', '-a', '-o', '%i %T %r %M')}\n"
+                    f"sinfo: {run('sinfo', '-N', '-o', '%N %T %C %e %E')}\n"
+                    + "\n".join(tails) + "\nslurmd.log: "
+                    + (slurmd.read_text()[-1500:] if slurmd.exists() else "none"))
+
+
 def _config(**changes):
     return config_from_args(build_parser().parse_args(["train", *ARGS])).replace(**changes)
 
@@ -129,7 +148,7 @@ def test_slurm_jobs_with_one_scancelled_give_the_fixed_runs_bits(slurm, tmp_path
         assert "#SBATCH --requeue" in script and "--preload pipeline.cluster.worker_setup" in script
         cluster.scale(jobs=JOBS)
         with distributed.Client(cluster, set_as_default=False) as client:
-            client.wait_for_workers(JOBS, timeout=120)
+            _wait_for_jobs(client, slurm, tmp_path / "jobs")
             jobs = {job.job_id for job in cluster.workers.values()}
             assert jobs <= _running_jobs(), (jobs, _running_jobs())
             cancel = CancelOne(cluster, CANCEL_AFTER)
