@@ -43,7 +43,7 @@ free_port() {
 
 write_conf() {  # DIR
   local dir="$1" cpus mem_mb
-  cpus="$(nproc)"
+  cpus="$(getconf _NPROCESSORS_ONLN)"  # not nproc: it follows OMP_NUM_THREADS (1 under the suite)
   # RealMemory a little under MemTotal: slurmd drains a node that reports less than configured.
   mem_mb="$(awk '/^MemTotal:/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)"
   cat >"$dir/slurm.conf" <<EOF
