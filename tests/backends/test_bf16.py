@@ -64,13 +64,12 @@ def test_onednns_rounding_gives_the_numpy_helpers_bits():
 
 def test_the_three_passes_in_bf16_are_close_to_fp32_and_write_fp32():
     x, w, b, gy = _problem()
-    before = dnnl.stats["plans"]
+    before = dnnl.stats["bf16_calls"]  # a count: dnnl.impls keeps only the first 50 plans
     low, full = _passes(x, w, b, gy, True), _passes(x, w, b, gy, False)
     for name, a, ref in zip(("y", "gx", "gw", "gb"), low, full):
         assert a.dtype == np.float32, name
         assert 0 < _rel(a, ref) < BF16_TOLERANCE, (name, _rel(a, ref))
-    assert dnnl.stats["plans"] > before
-    assert any("bf16=True" in key for key in dnnl.impls)
+    assert dnnl.stats["bf16_calls"] >= before + 3  # the three passes ran through oneDNN in bf16
 
 
 def test_bf16_forward_is_fp32_on_the_rounded_inputs():

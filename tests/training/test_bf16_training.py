@@ -42,9 +42,9 @@ def _moves(params, start):
 def test_bf16_is_close_to_fp32_after_a_few_steps(dask_client, model):
     config = make_config(BASE, **{"model.name": model})
     full = train(config, dask_client, log=lambda m: None)
-    before = dnnl.stats["calls"]
+    before = dnnl.stats["bf16_calls"]  # a count: dnnl.impls keeps only the first 50 plans
     low = train(config.replace(**{"train.precision": "bf16"}), dask_client, log=lambda m: None)
-    assert dnnl.stats["calls"] > before and any("bf16=True" in k for k in dnnl.impls)
+    assert dnnl.stats["bf16_calls"] > before
     start = prepare.initial_params(config, 10)
     a, b = _moves(low.params, start), _moves(full.params, start)
     assert 0 < np.linalg.norm(a - b) / np.linalg.norm(b) < MOVE_TOLERANCE

@@ -59,7 +59,8 @@ _LOAD = {"tried": False, "lib": None, "reason": None, "version": None, "omp": No
          "engine": None}
 _LOAD_LOCK = threading.Lock()
 _local = threading.local()
-stats = {"plans": 0, "unsupported": 0, "calls": 0}  # per process, read by tests and benchmarks
+# per process, read by tests and benchmarks ("bf16_calls": the calls of them in bf16)
+stats = {"plans": 0, "unsupported": 0, "calls": 0, "bf16_calls": 0}
 impls: dict = {}  # str(key) -> the implementation oneDNN chose ("brgconv:avx512_core"), first 50
 
 

@@ -134,6 +134,7 @@ def _run_chunks(kind, n, x_shape, w_shape, stride, pad, bias, threads, arrays_of
     if any(p is None for p in parts):
         return None
     stats["calls"] += 1
+    stats["bf16_calls"] += bool(bf16)
     return sharing.in_order(parts)
 
 
