@@ -4,6 +4,7 @@ bytes, waiting for a run's lines. Named ``assert_*`` where they assert, so a fai
 the caller's line (dask's ``assert_eq``, distributed's ``utils_test``)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -198,3 +199,17 @@ def readme_train_example() -> tuple[list[str], float]:
     stated = float(re.search(r"The `train` example reaches a test accuracy of ([0-9.]+)",
                              text).group(1))
     return args, stated
+
+
+@contextlib.contextmanager
+def user_code(root: Path, name: str, source: str):
+    """Module ``name`` written from ``source`` into ``root`` (a directory outside the
+    repository, as a user's code is), put on sys.path and imported; taken away afterwards."""
+    import importlib
+    (root / f"{name}.py").write_text(source)
+    sys.path.insert(0, str(root))
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.path.remove(str(root))
+        sys.modules.pop(name, None)

@@ -23,7 +23,7 @@ import pipeline
 from pipeline.cli.parser import main
 from pipeline.core.errors import UsageError
 from pipeline.data.cifar.synthetic import synthetic_batch
-from tests.helpers import REPO, run_cli
+from tests.helpers import REPO, run_cli, user_code
 from tests.images import photo, write_split_folder
 
 _MISSING = [m for m in ("onnx", "onnxruntime") if importlib.util.find_spec(m) is None]
@@ -76,12 +76,8 @@ NETS = ("small-cnn", "resnet20", "cifar10-2015", "wide-mlp", "exportnets:StockNe
 @pytest.fixture(scope="module")
 def user_module(tmp_path_factory):
     root = tmp_path_factory.mktemp("exportcode")
-    (root / "exportnets.py").write_text(USER_NETS)
-    sys.path.insert(0, str(root))
-    import exportnets
-    yield root
-    sys.path.remove(str(root))
-    sys.modules.pop("exportnets", None)
+    with user_code(root, "exportnets", USER_NETS):
+        yield root
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ Chainer datasets) and of a built-in and a user's model, then ``load_model``, ``p
 from __future__ import annotations
 
 import json
-import sys
 import textwrap
 
 import numpy as np
@@ -16,6 +15,7 @@ from pipeline.core.errors import DataError
 from pipeline.cli.parser import main
 from pipeline.data.datasets import KINDS, READERS, facts
 from tests.images import write_folder, write_list, write_split_folder, write_tiny_imagenet
+from tests.helpers import user_code
 
 USER_MODULE = textwrap.dedent('''
     import chainer
@@ -93,13 +93,8 @@ CASES = {
 def user_module(tmp_path_factory):
     """``roundnets.RoundNet`` outside the repository, written the way Chainer users write it
     (a plain ``import chainer`` at the top)."""
-    root = tmp_path_factory.mktemp("roundcode")
-    (root / "roundnets.py").write_text(USER_MODULE)
-    sys.path.insert(0, str(root))
-    import roundnets
-    yield roundnets
-    sys.path.remove(str(root))
-    sys.modules.pop("roundnets", None)
+    with user_code(tmp_path_factory.mktemp("roundcode"), "roundnets", USER_MODULE) as module:
+        yield module
 
 
 def _image_size(source: str):

@@ -5,7 +5,6 @@ state; any Chainer optimizer by name; models written as Chainer users write them
 ChainList, lambda layers) with their own optimizer; starting weights from a file."""
 from __future__ import annotations
 
-import sys
 import textwrap
 
 import numpy as np
@@ -13,7 +12,7 @@ import pytest
 
 from pipeline.core.errors import UsageError
 from pipeline.training.loop import train
-from tests.helpers import assert_same_bits, make_config
+from tests.helpers import assert_same_bits, make_config, user_code
 
 MODULE = textwrap.dedent('''
     """A user's model: stock links only (BatchNorm, dropout, a lazily sized Linear)."""
@@ -88,13 +87,8 @@ BASE = {"data.source": "synthetic:240:60", "train.batch_size": 20, "train.epochs
 @pytest.fixture(scope="module")
 def user_module(tmp_path_factory):
     """``usernets.Net`` in a directory outside the repository, put on sys.path."""
-    root = tmp_path_factory.mktemp("usercode")
-    (root / "usernets.py").write_text(MODULE)
-    sys.path.insert(0, str(root))
-    import usernets
-    yield usernets
-    sys.path.remove(str(root))
-    sys.modules.pop("usernets", None)
+    with user_code(tmp_path_factory.mktemp("usercode"), "usernets", MODULE) as module:
+        yield module
 
 
 @pytest.mark.parametrize("strategy, replicas", [("single", 1), ("gradient", 2), ("mixture", 2),

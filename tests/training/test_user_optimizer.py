@@ -5,14 +5,13 @@ applies (the same bits as the optimizer by name), the hooks act, bad factories a
 from __future__ import annotations
 
 import json
-import sys
 import textwrap
 
 import pytest
 
 from pipeline.core.errors import UsageError
 from pipeline.training.loop import train
-from tests.helpers import assert_same_bits, make_config, same_bits
+from tests.helpers import assert_same_bits, make_config, same_bits, user_code
 
 MODULE = textwrap.dedent('''
     """A user's model and optimizers, plain Chainer."""
@@ -59,13 +58,8 @@ BASE = {"data.source": "synthetic:96:24", "train.batch_size": 8, "train.epochs":
 @pytest.fixture(scope="module")
 def useropts(tmp_path_factory):
     """``useropts`` in a directory outside the repository, put on sys.path."""
-    root = tmp_path_factory.mktemp("useropts")
-    (root / "useropts.py").write_text(MODULE)
-    sys.path.insert(0, str(root))
-    import useropts
-    yield useropts
-    sys.path.remove(str(root))
-    sys.modules.pop("useropts", None)
+    with user_code(tmp_path_factory.mktemp("useropts"), "useropts", MODULE) as module:
+        yield module
 
 
 @pytest.fixture(scope="module")
