@@ -96,30 +96,33 @@ def test_bf16_gives_the_same_bits_at_any_thread_count():
         assert a.tobytes() == c.tobytes()
 
 
-def test_linear_in_bf16_is_fp32_on_the_rounded_inputs_and_fp32_runs_keep_chainers():
+def test_linear_in_bf16_is_fp32_on_the_rounded_inputs_on_any_thread_count(monkeypatch):
     from pipeline.backends.chainer.compat import F, chainer
-    from pipeline.backends.chainer.cpu_kernels import stock
+    from pipeline.backends.chainer.cpu_kernels import linear, stock
     stock.install()
+    monkeypatch.setattr(linear, "PIECE", 3)  # several pieces per product for the threads
     rng = np.random.default_rng(5)
     x = rng.standard_normal((20, 8, 3, 5)).astype(np.float32)
     w = (rng.standard_normal((7, 120)) * 0.1).astype(np.float32)
     b = rng.standard_normal(7).astype(np.float32)
     gy = rng.standard_normal((20, 7)).astype(np.float32)
 
-    def run(precision):
+    def run(precision, threads=1):
         xv, wv, bv = (chainer.Variable(v.copy()) for v in (x, w, b))
-        with chainer.using_config("cpu_precision", precision):
+        with chainer.using_config("cpu_precision", precision), \
+                chainer.using_config("cpu_kernel_threads", threads):
             y = F.linear(xv, wv, bv)
         y.grad = gy.copy()
         y.backward()
         return type(y.creator).__name__, y.array, xv.grad, wv.grad, bv.grad
 
     name, y, gx, gw, gb = run("bf16")
-    assert name == "LinearBF16" and gx.shape == x.shape
+    assert name == "Linear" and gx.shape == x.shape
     r = lambda v: from_bf16(to_bf16(v))  # noqa: E731
     x2 = r(x.reshape(20, -1))
     for got, want in ((y, x2 @ r(w).T + b), (gx.reshape(20, -1), r(gy) @ r(w)),
                       (gw, r(gy).T @ x2)):
         assert _rel(got, want) < 1e-5
     assert np.array_equal(gb, gy.sum(axis=0))
-    assert run("fp32")[0] == "LinearFunction"
+    for a, c in zip(run("bf16", threads=3)[1:], (y, gx, gw, gb)):
+        assert a.tobytes() == c.tobytes()

@@ -212,6 +212,34 @@ def test_max_pooling_on_threads_matches_chainer_ties_included(case, threads):
                      lambda x: F.max_pooling_2d(x, **args), [_pool_input(case)], seed, exact=True)
 
 
+@EXAMPLES
+@given(pool_cases, st.sampled_from([1, 2]), st.sampled_from([np.float32, np.float64]))
+def test_compiled_max_pooling_passes_give_the_numpy_passes_bits(case, axis, dtype):
+    """Values, offsets and routed gradients of each 1-D pass, signed zeros, NaN and -inf in
+    the input included: the compiled loops (``pooling_compiled``) against the NumPy passes."""
+    from pipeline.backends.chainer.cpu_kernels import pooling, pooling_compiled
+    from pipeline.backends.chainer.cpu_kernels.layout import out_size
+    if pooling_compiled.loops() is None:
+        pytest.skip("Numba is not installed: the NumPy passes run")
+    n, c, h, w, kh, kw, sy, sx, ph, pw, cover_all, ties, seed = case
+    k, s, p, size = (kh, sy, ph, h) if axis == 1 else (kw, sx, pw, w)
+    if p >= k or size + 2 * p < k:
+        return
+    r = _rng(seed)
+    x = _pool_input(case).astype(dtype)
+    x[r.random(x.shape) < 0.2] = -0.0
+    x[r.random(x.shape) < 0.05] = r.choice([np.nan, -np.inf, np.inf])
+    x = np.ascontiguousarray(x.transpose(0, 2, 3, 1))  # channels-last, as our kernels hold it
+    length = out_size(size, k, s, p, cover_all)
+    runs = [pooling._max1d(x, axis, k, s, p, length, True, compiled=flag) for flag in (True, False)]
+    gy = r.standard_normal(runs[0][0].shape).astype(dtype)
+    grads = [pooling._max1d_grad(gy, arg, axis, size, k, s, p, compiled=flag)
+             for (_, arg), flag in zip(runs, (True, False))]
+    assert runs[0][0].tobytes() == runs[1][0].tobytes()
+    assert runs[0][1].tobytes() == runs[1][1].tobytes()
+    assert grads[0].tobytes() == grads[1].tobytes()
+
+
 def test_adam_on_threads_gives_the_bits_of_one_thread(monkeypatch):
     """The update's slices shared among threads: each element sees the one-thread operations."""
     from pipeline.backends.chainer.cpu_kernels import optimizers, sharing
@@ -465,3 +493,59 @@ def test_batch_normalization_link_dispatch_and_statistics():
         with chainer.no_backprop_mode():  # inference: our fixed-statistics kernel
             np.testing.assert_allclose(ours(x).array, theirs(x).array, rtol=1e-5, atol=1e-5)
         assert not isinstance(ours(x).creator, K.FixedBatchNormalization)  # a graph: Chainer's
+
+
+# ---- linear --------------------------------------------------------------------------------
+
+def _linear_run(x, w, b, gy, threads=1):
+    xv, wv, bv = (chainer.Variable(v.copy()) for v in (x, w, b))
+    with chainer.using_config("cpu_kernel_threads", threads):
+        y = F.linear(xv, wv, bv)
+        y.grad = gy.copy()
+        y.backward()
+    return type(y.creator).__name__, [y.array, xv.grad, wv.grad, bv.grad]
+
+
+def test_linear_is_chainers_to_float32_rounding_and_the_same_bits_on_any_thread_count(monkeypatch):
+    """Each product's output in fixed pieces (a 5-wide piece here: 3-4 pieces a product) that
+    threads share; no element's sum is cut, so the threads change no bit."""
+    from threadpoolctl import threadpool_limits
+    from pipeline.backends.chainer.cpu_kernels import linear, stock
+    stock.install()
+    monkeypatch.setattr(linear, "PIECE", 5)
+    r = _rng(11)
+    x = r.standard_normal((16, 3, 2, 3)).astype(np.float32)
+    w = (r.standard_normal((17, 18)) * 0.3).astype(np.float32)
+    b, gy = r.standard_normal(17).astype(np.float32), r.standard_normal((16, 17)).astype(np.float32)
+    with threadpool_limits(1):
+        name, ours = _linear_run(x, w, b, gy)
+        runs = [_linear_run(x, w, b, gy, threads)[1] for threads in (2, 3)]
+        with chainer.using_config("cpu_kernels", "chainer"):
+            chainers_name, chainers = _linear_run(x, w, b, gy)
+    assert (name, chainers_name) == ("Linear", "LinearFunction")
+    for a, c in zip(ours, chainers):
+        assert a.shape == c.shape and np.allclose(a, c, rtol=1e-5, atol=1e-5)
+    for run in runs:
+        for a, c in zip(run, ours):
+            assert a.tobytes() == c.tobytes()
+
+
+def test_linear_keeps_double_backprop():
+    """A gradient of a gradient (a gradient penalty) goes through Chainer's functions."""
+    from unittest import mock
+    from pipeline.backends.chainer.cpu_kernels import linear, stock
+    stock.install()
+    r = _rng(12)
+    x, w = r.standard_normal((4, 6)), r.standard_normal((3, 6)) * 0.5
+    b = r.standard_normal(3)
+    args = [a.astype(np.float32) for a in (x, w, b)]
+    gy, ggs = r.standard_normal((4, 3)).astype(np.float32), [
+        r.standard_normal(a.shape).astype(np.float32) for a in args]
+    assert type(F.linear(*args).creator).__name__ == "Linear"
+    seen = []
+    real = linear.Linear._differentiable
+    with mock.patch.object(linear.Linear, "_differentiable",
+                           lambda self, *a: seen.append(1) or real(self, *a)):
+        gradient_check.check_double_backward(F.linear, tuple(args), gy, tuple(ggs), eps=1e-2,
+                                             atol=5e-2, rtol=5e-2)
+    assert seen  # float32 throughout: ours ran, its backward built Chainer's graph

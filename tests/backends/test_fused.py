@@ -131,13 +131,30 @@ def test_relu_gradient_is_chainers_bit_for_bit(layout, dtype):
         assert fused.relu_grad(gy, y).strides == gy.strides
 
 
+@pytest.mark.parametrize("layout", ["c", "nhwc", "fortran", "mixed", "strided"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_relu_is_chainers_bit_for_bit_on_any_thread_count(layout, dtype, monkeypatch):
+    from pipeline.backends.chainer.compat import chainer
+    x, _ = _relu_inputs(layout, dtype)  # inf, -inf, NaN, -0.0, 0.0 among its values
+    want = np.maximum(x, 0, dtype=dtype)  # ReLU.forward_cpu
+    monkeypatch.setattr(fused, "SLICE", 7)  # 52 slices for the threads
+    for compiled, threads in ((True, 1), (True, 3), (False, 1)):
+        with chainer.using_config("cpu_kernel_threads", threads):
+            got = fused.relu(x, compiled)
+            grad = fused.relu_grad(x, want, compiled)
+        assert got.dtype == want.dtype and got.strides == want.strides
+        assert got.tobytes() == want.tobytes()
+        assert grad.tobytes() == np.asarray(x * (want > 0), dtype=dtype).tobytes()
+
+
 def test_relu_in_a_graph_runs_ours_with_chainers_bits_and_double_backprop(monkeypatch):
     from pipeline.backends.chainer.compat import F, chainer
     from pipeline.backends.chainer.cpu_kernels import activations, stock
     calls = []
-    ours = activations.relu_grad_forward_cpu
-    monkeypatch.setattr(activations, "relu_grad_forward_cpu",
-                        lambda node, inputs: calls.append(1) or ours(node, inputs))
+    for name in ("relu_grad_forward_cpu", "relu_forward_cpu"):
+        ours = getattr(activations, name)
+        monkeypatch.setattr(activations, name, lambda node, inputs, ours=ours:
+                            calls.append(ours.__name__) or ours(node, inputs))
     r = np.random.default_rng(3)
     x0 = r.standard_normal((2, 3, 4, 5)).astype(np.float32)
 
@@ -149,11 +166,12 @@ def test_relu_in_a_graph_runs_ours_with_chainers_bits_and_double_backprop(monkey
         return gx.array, ggx.array
     with chainer.using_config("cpu_kernels", "chainer"):
         want = grads()
-    stock.install()  # puts the (wrapped) relu_grad_forward_cpu on ReLUGrad2
+    stock.install()  # puts the (wrapped) forwards on ReLU and ReLUGrad2
     try:
         got = grads()
     finally:
         stock.uninstall()
-    assert calls and stock.installed() is False
+    assert set(calls) == {"relu_grad_forward_cpu", "relu_forward_cpu"}
+    assert stock.installed() is False
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)

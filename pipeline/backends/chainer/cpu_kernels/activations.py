@@ -1,5 +1,6 @@
-"""Chainer's ReLU gradient on our kernels: ``install()`` puts ``fused.relu_grad`` (one compiled pass,
-the same bits) on ``ReLUGrad2.forward_cpu``.
+"""Chainer's ReLU and its gradient on our kernels: ``install()`` puts ``fused.relu`` and ``fused.relu_grad``
+(one compiled pass each, the same bits, slices shared among ``cpu_kernel_threads``) on
+``ReLU.forward_cpu`` and ``ReLUGrad2.forward_cpu``.
 
 ``F.relu``'s backward is ``ReLUGrad2(y)``, whose CPU forward is ``gy * (y > 0)``: a comparison
 pass, a cast of the mask and a multiplication. Ours computes the same product per element in
@@ -16,6 +17,17 @@ from pipeline.backends.chainer.cpu_kernels import fused, use_ours
 
 _relu = chainer.functions.activation.relu
 ORIGINAL = _relu.ReLUGrad2.forward_cpu
+ORIGINAL_FORWARD = _relu.ReLU.forward_cpu
+
+
+def relu_forward_cpu(node, inputs):
+    """``ReLU.forward_cpu``: ours (``fused.relu``, the same bits) for a NumPy float input."""
+    x, = inputs
+    if (type(x) is np.ndarray and use_ours(x) and x.dtype.kind == "f"
+            and not chainer.backends.intel64.should_use_ideep(">=auto")):
+        node.retain_outputs((0,))
+        return fused.relu(x),
+    return ORIGINAL_FORWARD(node, inputs)
 
 
 def relu_grad_forward_cpu(node, inputs):
@@ -31,7 +43,9 @@ def relu_grad_forward_cpu(node, inputs):
 
 def install() -> None:
     _relu.ReLUGrad2.forward_cpu = relu_grad_forward_cpu
+    _relu.ReLU.forward_cpu = relu_forward_cpu
 
 
 def uninstall() -> None:
     _relu.ReLUGrad2.forward_cpu = ORIGINAL
+    _relu.ReLU.forward_cpu = ORIGINAL_FORWARD

@@ -22,6 +22,7 @@ import types
 
 import numpy as np
 
+from pipeline.backends.chainer.cpu_kernels import sharing
 from pipeline.core import jit as compiler
 
 
@@ -90,9 +91,15 @@ def _compiled():
         for i in range(gy.size):
             gx[i] = gy[i] * (one if y[i] > 0 else zero)
 
+    @jit
+    def relu(x, zero, y):
+        for i in range(x.size):
+            v = x[i]
+            y[i] = v if (v > zero or v != v) else zero  # np.maximum(v, 0): NaN kept, -0.0 -> 0
+
     return types.SimpleNamespace(sums=sums, centred_square_sums=centred_square_sums,
                                  normalize=normalize, grad_sums=grad_sums, grad_x=grad_x,
-                                 relu_grad=relu_grad)
+                                 relu_grad=relu_grad, relu=relu)
 
 
 def compiled() -> bool:
@@ -191,6 +198,17 @@ def _flat(*arrays) -> list | None:
     return [v.reshape(-1) for v in views]
 
 
+SLICE = 1 << 17  # elements per slice of an element-wise loop that threads share
+
+
+def _by_slices(fn, size: int) -> None:
+    """``fn(lo, hi)`` over [0, size) in fixed slices shared among ``sharing.threads()``
+    threads: element-wise work, so the same bits at any count."""
+    bounds = [(lo, min(size, lo + SLICE)) for lo in range(0, size, SLICE)]
+    sharing.run(lambda share: [fn(lo, hi) for lo, hi in share],
+                sharing.deal(bounds, sharing.threads()))
+
+
 def relu_grad(gy: np.ndarray, y: np.ndarray, use_compiled: bool = True) -> np.ndarray:
     """gx = gy * (y > 0): Chainer's ReLU gradient (a bool mask times gy, so -0.0 where gy < 0
     and the mask is off, NaN where gy is infinite), in one pass where ``gy`` and ``y`` share
@@ -200,5 +218,21 @@ def relu_grad(gy: np.ndarray, y: np.ndarray, use_compiled: bool = True) -> np.nd
     flat = None if loops is None or y.dtype != gy.dtype else _flat(gy, y, gx)
     if flat is None:
         return np.asarray(gy * (y > 0), dtype=gy.dtype)
-    loops.relu_grad(flat[0], flat[1], gy.dtype.type(1), gy.dtype.type(0), flat[2])
+    one, zero = gy.dtype.type(1), gy.dtype.type(0)
+    _by_slices(lambda lo, hi: loops.relu_grad(flat[0][lo:hi], flat[1][lo:hi], one, zero,
+                                              flat[2][lo:hi]), gy.size)
     return gx
+
+
+def relu(x: np.ndarray, use_compiled: bool = True) -> np.ndarray:
+    """y = np.maximum(x, 0) in x's dtype and memory order (Chainer's ReLU forward: NaN passes,
+    -0.0 gives 0.0 as NumPy's maximum gives its second operand on ties), in one pass where x
+    is dense."""
+    loops = _compiled() if use_compiled else None
+    y = np.empty_like(x)
+    flat = None if loops is None else _flat(x, y)
+    if flat is None:
+        return np.maximum(x, 0, dtype=x.dtype)
+    zero = x.dtype.type(0)
+    _by_slices(lambda lo, hi: loops.relu(flat[0][lo:hi], zero, flat[1][lo:hi]), x.size)
+    return y

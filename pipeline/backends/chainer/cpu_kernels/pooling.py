@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.backends.chainer.cpu_kernels import sharing
+from pipeline.backends.chainer.cpu_kernels import pooling_compiled, sharing
 from pipeline.backends.chainer.cpu_kernels.layout import out_size
 
 
@@ -73,11 +73,17 @@ def _source(x, axis: int, s: int):
     return src
 
 
-def _max1d(x, axis: int, k: int, s: int, p: int, length: int, with_arg: bool = True):
-    """Max over windows along ``axis``: -> (values, uint8 offset of the first maximum or None)."""
+def _max1d(x, axis: int, k: int, s: int, p: int, length: int, with_arg: bool = True,
+           compiled: bool = True):
+    """Max over windows along ``axis``: -> (values, uint8 offset of the first maximum or None).
+
+    By ``pooling_compiled``'s loop where Numba is there (the same bits), unless ``compiled`` is
+    False (the NumPy reference, for tests)."""
     shape = list(x.shape)
     shape[axis] = length
     taps = _taps(x.shape[axis], length, k, s, p)
+    if compiled and pooling_compiled.loops() is not None:
+        return pooling_compiled.max1d(x, axis, taps, s, p, length, with_arg)
     source = _source(x, axis, s) if taps else None
     full = [t[1:3] == (0, length) for t in taps]
     y = np.empty(shape, x.dtype)
@@ -143,8 +149,11 @@ def _scatter1d(gy, axis: int, size: int, k: int, s: int, p: int, part):
     return gx
 
 
-def _max1d_grad(gy, arg, axis: int, size: int, k: int, s: int, p: int):
+def _max1d_grad(gy, arg, axis: int, size: int, k: int, s: int, p: int, compiled: bool = True):
     """Route gy back along ``axis`` to the offsets in ``arg``; -> gradient with ``size`` there."""
+    if compiled and pooling_compiled.loops() is not None:
+        return pooling_compiled.max1d_grad(gy, arg, axis, size, _taps(size, gy.shape[axis], k, s, p),
+                                           s, p)
     def part(d, j0, j1, out=None):
         return np.multiply(_along(gy, axis, j0, j1), _along(arg, axis, j0, j1) == d, out=out)
     return _scatter1d(gy, axis, size, k, s, p, part)

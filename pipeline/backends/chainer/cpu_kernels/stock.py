@@ -35,9 +35,9 @@ import threading
 import numpy as np
 
 from pipeline.backends.chainer.compat import chainer
-from pipeline.backends.chainer.cpu_kernels import (activations, functions, optimizers, sharing,
+from pipeline.backends.chainer.cpu_kernels import (activations, functions, optimizers,
                                                    use_ours)
-from pipeline.backends.chainer.cpu_kernels import linear as bf16_linear
+from pipeline.backends.chainer.cpu_kernels import linear as our_linear
 
 # name -> the modules whose attribute of that name Chainer's links or users call through
 _HOMES = {
@@ -131,10 +131,10 @@ def spatial_pyramid_pooling_2d(x, pyramid_height, pooling=None):
 
 
 def linear(x, W, b=None, n_batch_axes=1):
-    """``F.linear``: oneDNN's bf16 matmul under ``cpu_precision`` bf16 (one batch axis, float32
-    NumPy operands, our kernels), else Chainer's: fp32 runs keep their bits."""
-    if n_batch_axes == 1 and use_ours(x) and sharing.bf16() and bf16_linear.usable(x, W, b):
-        return bf16_linear.linear(x, W, b)
+    """``F.linear``: ours (``cpu_kernels.linear``: products in fixed pieces threads share; bf16
+    under ``cpu_precision`` bf16) for one batch axis and float32 NumPy operands, else Chainer's."""
+    if n_batch_axes == 1 and use_ours(x) and our_linear.usable(x, W, b):
+        return our_linear.linear(x, W, b)
     return ORIGINAL["linear"](x, W, b, n_batch_axes)
 
 
