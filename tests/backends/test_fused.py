@@ -38,6 +38,20 @@ def test_the_compiled_passes_give_the_references_bits(m, c, dtype, scale, offset
         np.testing.assert_array_equal(ours, ref)
 
 
+def test_the_passes_on_threads_give_the_bits_of_one(monkeypatch):
+    """normalize and grad_x by row slices shared among threads; the sums one loop each."""
+    from pipeline.backends.chainer.compat import chainer
+    monkeypatch.setattr(fused, "SLICE", 64)  # 4 rows of 16 channels a slice: 50 slices
+    r = np.random.default_rng(8)
+    x, gy = (r.standard_normal((203, 16)).astype(np.float32) for _ in range(2))
+    gamma, beta = (r.standard_normal(16).astype(np.float32) for _ in range(2))
+    runs = []
+    for threads in (1, 2, 3):
+        with chainer.using_config("cpu_kernel_threads", threads):
+            runs.append([a.tobytes() for a in _passes(x, gy, gamma, beta, True)])
+    assert runs[1] == runs[0] and runs[2] == runs[0]
+
+
 def test_the_sums_are_sequential_in_float64():
     """Row by row in float64, rounded once: 1 + 1000 * 1e-8 is 1.00001 (a float32 running sum
     stays at 1.0)."""

@@ -122,6 +122,20 @@ def _row_sums(a: np.ndarray) -> np.ndarray:
     return np.add.reduce(a, axis=0, dtype=np.float64)
 
 
+SLICE = 1 << 17  # elements per slice of an element-wise loop that threads share
+
+
+def _by_slices(fn, size: int, row: int = 1) -> None:
+    """``fn(lo, hi)`` over [0, size) rows of ``row`` elements in fixed slices of about ``SLICE``
+    elements shared among ``sharing.threads()`` threads: element-wise work (row by row), so
+    the same bits at any count. The per-channel sums stay one sequential loop each (their
+    order is their bits)."""
+    step = max(1, SLICE // max(1, row))
+    bounds = [(lo, min(size, lo + step)) for lo in range(0, size, step)]
+    sharing.run(lambda share: [fn(lo, hi) for lo, hi in share],
+                sharing.deal(bounds, sharing.threads()))
+
+
 def statistics(x: np.ndarray, use_compiled: bool = True) -> tuple:
     """(M, C) C-contiguous x -> (mean, biased variance) in x's dtype.
 
@@ -156,7 +170,8 @@ def normalize(x, mean, inv_std, gamma, beta, use_compiled: bool = True) -> tuple
         y += np.tile(beta, r)
         return y.reshape(m, c), x_hat.reshape(m, c)
     x_hat, y = np.empty_like(x), np.empty_like(x)
-    loops.normalize(x, mean, inv_std, gamma, beta, x_hat, y)
+    _by_slices(lambda lo, hi: loops.normalize(x[lo:hi], mean, inv_std, gamma, beta, x_hat[lo:hi],
+                                              y[lo:hi]), x.shape[0], x.shape[1])
     return y, x_hat
 
 
@@ -183,7 +198,8 @@ def grad_x(gy, x_hat, scale, a, b, use_compiled: bool = True) -> np.ndarray:
         gx -= tmp
         return gx.reshape(m, c)
     gx = np.empty_like(gy)
-    loops.grad_x(gy, x_hat, scale, a, b, gx)
+    _by_slices(lambda lo, hi: loops.grad_x(gy[lo:hi], x_hat[lo:hi], scale, a, b, gx[lo:hi]),
+               gy.shape[0], gy.shape[1])
     return gx
 
 
@@ -196,17 +212,6 @@ def _flat(*arrays) -> list | None:
            for a, v in zip(arrays, views)):
         return None
     return [v.reshape(-1) for v in views]
-
-
-SLICE = 1 << 17  # elements per slice of an element-wise loop that threads share
-
-
-def _by_slices(fn, size: int) -> None:
-    """``fn(lo, hi)`` over [0, size) in fixed slices shared among ``sharing.threads()``
-    threads: element-wise work, so the same bits at any count."""
-    bounds = [(lo, min(size, lo + SLICE)) for lo in range(0, size, SLICE)]
-    sharing.run(lambda share: [fn(lo, hi) for lo, hi in share],
-                sharing.deal(bounds, sharing.threads()))
 
 
 def relu_grad(gy: np.ndarray, y: np.ndarray, use_compiled: bool = True) -> np.ndarray:
