@@ -18,6 +18,9 @@ a third interleaved run, ours with Chainer's own Adam update, gives that update'
     .venv/bin/python benchmarks/cpu_kernels.py --precision fp32,bf16 --models cifar10-2015
         # ours in fp32 against ours with bf16 convolutions (train.precision), and the cost of
         # the NumPy fp32 -> bf16 rounding of one batch's activations against oneDNN's reorder
+    flock /work/cpu.lock .venv/bin/python benchmarks/cpu_kernels.py --threads 1,2 \
+        --precision fp32,bf16 --models cifar10-2015,resnet20
+        # one replica's step on 1 and 2 kernel threads (a quiet machine: the wall clock)
 
 Goals (issue 15): ours >= 2.3x Chainer's functions on cifar10-2015, and >= 0.55 of the bound.
 """
@@ -229,6 +232,7 @@ def without_onednn(step):
     def run():
         with onednn.turned_off():
             step()
+    run.model, run.optimizer, run.kernels = step.model, step.optimizer, step.kernels
     return run
 
 
@@ -274,6 +278,31 @@ def bench_precisions(name: str, a, precisions: list) -> dict:
             for clock, seconds in time_steps(step, a.steps).items():
                 best[p][clock] = min(best[p][clock], seconds)
     return {p: {c: a.batch_size / s for c, s in by_clock.items()} for p, by_clock in best.items()}
+
+
+def main_threads(a) -> None:
+    """Ours on 1..n kernel threads (``cpu_kernel_threads``, one BLAS thread: what a train- task
+    given n threads runs), each precision, interleaved; best round by the wall clock (the CPU
+    clock counts one thread only). Prints each count's speed over one thread's."""
+    from pipeline.backends.chainer.compat import chainer
+    counts = [int(t) for t in a.threads.split(",")]
+    out = {}
+    for name in a.models.split(","):
+        for p in a.precision.split(","):
+            step = make_trainer(name, "ours", a.batch_size, precision=p)
+            best = dict.fromkeys(counts, float("inf"))
+            for _ in range(a.repeats):
+                for n in counts:
+                    with chainer.using_config("cpu_kernel_threads", n):
+                        step()  # the pool's threads started, the plans of this count built
+                        best[n] = min(best[n], time_steps(step, a.steps)["wall"])
+            row = {f"{n}_threads_img_s": round(a.batch_size / best[n], 1) for n in counts}
+            row.update({f"{n}_threads_over_1": round(best[counts[0]] / best[n], 3)
+                        for n in counts[1:]})
+            out[f"{name} {p}"] = row
+            print(name, p, row)
+    emit({"bench": "cpu_kernels_threads", "batch_size": a.batch_size, "optimizer": "adam",
+          "clock": "wall", "steps": a.steps, "repeats": a.repeats, "models": out})
 
 
 def rounding_seconds(np, shape=(100, 32, 32, 32), repeats: int = 20) -> dict:
@@ -349,12 +378,17 @@ def main(argv=None):
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="which clock the headline ratios use (both are printed)")
     p.add_argument("--profile", action="store_true", help="print a per-function breakdown")
+    p.add_argument("--threads", help="a list such as 1,2: ours on each count of kernel threads "
+                                      "(--precision's list), interleaved, by the wall clock")
     p.add_argument("--precision", default="fp32",
                    help="fp32: ours against Chainer's functions and the bound; a list such as "
                         "fp32,bf16: ours at each precision (train.precision) only")
     a = p.parse_args(argv)
     _keep_heap_for_training()
     stock.install()  # as the backend does when it builds a replica: our Adam update included
+    if a.threads:
+        with threadpool_limits(1):
+            return main_threads(a)
     if a.precision != "fp32":
         with threadpool_limits(1):
             return main_precision(a, np)

@@ -23,6 +23,7 @@ AREAS = {
     "peer": "Against a plain PyTorch loop on the same cores (benchmarks/peer.py)",
     "cpu_kernels": "CPU kernels against Chainer's own functions (benchmarks/cpu_kernels.py)",
     "cpu_kernels_precision": "bf16 convolutions against fp32 on CPUs (benchmarks/cpu_kernels.py --precision)",
+    "cpu_kernels_threads": "One replica on two threads (benchmarks/cpu_kernels.py --threads)",
     "stock_links": "Stock Chainer links on our kernels (benchmarks/stock_links.py)",
     "speedup": "Two workers over one (benchmarks/speedup.py)",
     "overhead": "The pipeline against a bare training loop (benchmarks/overhead.py)",

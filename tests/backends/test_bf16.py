@@ -126,3 +126,16 @@ def test_linear_in_bf16_is_fp32_on_the_rounded_inputs_on_any_thread_count(monkey
     assert np.array_equal(gb, gy.sum(axis=0))
     for a, c in zip(run("bf16", threads=3)[1:], (y, gx, gw, gb)):
         assert a.tobytes() == c.tobytes()
+
+
+def test_rounding_shared_among_threads_gives_the_bits_of_one(monkeypatch):
+    from pipeline.backends.chainer.compat import chainer
+    monkeypatch.setattr(onednn, "ROUND_SLICE", 1000)  # 13 slices, the last one short
+    x = np.random.default_rng(4).standard_normal((3, 7, 11, 53)).astype(np.float32)
+    x.flat[:4] = [np.inf, -np.inf, np.nan, -0.0]
+    runs = []
+    for threads in (1, 2, 3):
+        with chainer.using_config("cpu_kernel_threads", threads):
+            runs.append(onednn.as_bf16(x))
+    assert runs[0].tobytes() == to_bf16(x).tobytes()
+    assert runs[1].tobytes() == runs[0].tobytes() and runs[2].tobytes() == runs[0].tobytes()

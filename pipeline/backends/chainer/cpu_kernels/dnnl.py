@@ -359,15 +359,16 @@ class Rounding(Plan):
         self.weights_arg, self.reorder = None, None
 
 
-def round_bf16(x: np.ndarray) -> np.ndarray:
-    """C-contiguous float32 (any shape) -> uint16 bf16 bits, by this thread's oneDNN reorder."""
+def round_bf16(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """C-contiguous float32 (any shape) -> uint16 bf16 bits (into ``out``, C-contiguous, if
+    given), by this thread's oneDNN reorder."""
     plans = thread_state()["plans"]
     key = ("bf16", x.size)
     if key not in plans:
         while len(plans) >= MAX_PLANS:
             del plans[next(iter(plans))]
         plans[key] = Rounding(_LOAD["lib"], x.size)
-    out = np.empty(x.shape, np.uint16)
+    out = np.empty(x.shape, np.uint16) if out is None else out
     plans[key].run(thread_state()["stream"], {ARG_SRC: x, ARG_DST: out})
     return out
 
