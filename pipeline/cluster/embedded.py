@@ -71,7 +71,7 @@ def threads_per_worker(cfg: ClusterConfig, replicas: int, kernels: str, gpus=())
     worker: ``ipm`` K=2 on two one-thread workers ran 1.6-1.8x one), except for one replica on
     a CPU-only local cluster with our CPU kernels, whose train tasks then get all the cores in one
     worker: its kernels share them with the bits of one thread (``Backend.using_threads``;
-    cifar10-2015 ``single`` 1.32x one thread on 2 cores, docs/benchmarks.md).
+    cifar10-2015 ``single`` 1.37x one thread on 2 cores in a run, docs/benchmarks.md).
 
     >>> threads_per_worker(ClusterConfig(threads_per_worker=3), 1, "ours")
     3

@@ -356,13 +356,14 @@ class ChainerBackend:
 
     @contextlib.contextmanager
     def using_threads(self, threads, spec):
-        """On a CPU with our kernels, ``threads`` > 1 share each convolution's im2col chunks,
-        max pooling's images and Adam's slices (``chainer.config.cpu_kernel_threads``,
-        ``cpu_kernels.sharing``) over one BLAS thread: the bits of one thread at any count,
-        where BLAS on n threads splits some products' sums and rounds otherwise. Two cores:
-        cifar10-2015 ``single`` 1.14-1.34x a one-thread worker in a training run; one step
-        1.31x, where 2 BLAS threads gave 1.32x and other bits (docs/benchmarks.md). Elsewhere
-        BLAS gets the threads."""
+        """On a CPU with our kernels, ``threads`` > 1 share each convolution's batch chunks,
+        the Linear layers' output pieces, max pooling's images, the element-wise passes'
+        slices (ReLU, BatchNorm's normalization, bf16 rounding) and Adam's slices
+        (``chainer.config.cpu_kernel_threads``, ``cpu_kernels.sharing``) over one BLAS thread:
+        the bits of one thread at any count, where BLAS on n threads splits some products' sums
+        and rounds otherwise. Two cores: cifar10-2015 ``single`` 1.37x a one-thread worker in a
+        training run, one step 1.43-1.61x (docs/benchmarks.md, "One replica on two threads,
+        round two"). Elsewhere BLAS gets the threads."""
         ours = spec.device == "cpu" and spec.cpu_kernels == "ours"
         with limit_blas_threads(1 if ours else threads), \
                 chainer.using_config("cpu_kernel_threads", threads if ours else 1), \
