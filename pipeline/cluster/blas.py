@@ -162,9 +162,10 @@ def pin(client, kernel: str, timeout: float) -> None:
 
 
 def check(client, kernel: str | None, log: Callable[[str], None], *, restart: bool,
-          timeout: float = 60.0) -> dict[str, Blas]:
+          timeout: float = 60.0, precision: str = "fp32") -> dict[str, Blas]:
     """At the start of a run: pin ``kernel`` (``restart``: by restarting the workers), then log
-    one warning line when the workers' BLAS differ. Returns the survey."""
+    one warning line when the workers' BLAS differ, and for a bf16 run one when their bf16
+    instructions do (``core.precision.workers_mismatch``). Returns the survey."""
     blas = survey(client)
     if kernel and restart and any(b.kernel.lower() != kernel.lower() for b in blas.values()):
         pin(client, kernel, timeout)
@@ -174,4 +175,9 @@ def check(client, kernel: str | None, log: Callable[[str], None], *, restart: bo
     line = mismatch(blas)
     if line:
         log(line)
+    if precision == "bf16":
+        from pipeline.core.precision import cpu_flags, workers_mismatch
+        line = workers_mismatch(client.run(cpu_flags))
+        if line:
+            log(line)
     return blas

@@ -54,3 +54,37 @@ def refusal(precision: str, device: str, cpu_kernels: str, backend: str,
                 "--backend chainer)")
     lacks = bf16_support(flags)
     return None if lacks is None else f"--precision bf16: {lacks}; use --precision fp32"
+
+
+def bf16_kind(flags: set) -> str:
+    """Which bf16 instructions a CPU with ``flags`` has: oneDNN's bf16 kernels (and so their
+    bits) differ between AMX and AVX512-BF16 machines.
+
+    >>> bf16_kind({"amx_bf16", "avx512_bf16"}), bf16_kind({"avx512_bf16"}), bf16_kind(set())
+    ('amx_bf16', 'avx512_bf16', 'none')
+    """
+    return next((flag for flag in BF16_FLAGS if flag in flags), "none")
+
+
+def workers_mismatch(flags_by_worker: dict) -> str | None:
+    """One warning line where a bf16 run's workers differ in bf16 instructions, else None.
+
+    >>> amx, avx = {"amx_bf16", "avx512_bf16"}, {"avx512_bf16"}
+    >>> workers_mismatch({"tcp://a:1": amx, "tcp://b:2": amx}) is None
+    True
+    >>> print(workers_mismatch({"tcp://a:1": amx, "tcp://b:2": avx, "tcp://c:3": set()}))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    warning: --precision bf16 on workers with different bf16 instructions (amx_bf16 on
+    tcp://a:1; avx512_bf16 on tcp://b:2; none on tcp://c:3): results then depend on which
+    worker ran which replica, and a worker without them emulates bf16 slowly
+    (docs/reliability.md)
+    """
+    groups: dict = {}
+    for worker, flags in sorted(flags_by_worker.items()):
+        groups.setdefault(bf16_kind(flags), []).append(worker)
+    if len(groups) < 2:
+        return None
+    kinds = "; ".join(f"{kind} on {', '.join(workers)}" for kind, workers in groups.items())
+    return (f"warning: --precision bf16 on workers with different bf16 instructions ({kinds}): "
+            "results then depend on which worker ran which replica, and a worker without them "
+            "emulates bf16 slowly (docs/reliability.md)")

@@ -127,8 +127,9 @@ def train(config: Config, client=None, *, model=None, optimizer=None, data=None,
             local = dataclasses.replace(config.cluster, threads_per_worker=threads)
             client = stack.enter_context(connect(local, log=log, gpus=gpus, roles=roles))
         from pipeline.cluster import blas
-        blas.check(client, config.cluster.blas_kernel, log, restart=True,
-                   timeout=max(60.0, config.cluster.connect_timeout))  # workers re-import
+        blas.check(client, config.cluster.blas_kernel, log, restart=True,  # workers re-import
+                   timeout=max(60.0, config.cluster.connect_timeout),
+                   precision=config.train.precision)
         if prep is None:
             dataset = prepare.load_dataset(config, client)
             spec = prepare.resolve_model(config, factory, dataset, user_opt)  # class count known

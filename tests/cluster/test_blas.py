@@ -89,3 +89,23 @@ def test_a_mixed_cluster_warns_once_and_the_pin_gives_the_one_kernel_answer():
         assert not [line for line in log if line.startswith("warning:")], log
     with subprocess_cluster(2, env=blas.pinned_environ("Sandybridge")) as one_kind:
         assert_same_bits(pinned, train(_tiny(one_kind.address), log=lambda line: None).params)
+
+
+def test_a_bf16_run_on_workers_with_different_bf16_instructions_warns_in_one_line(monkeypatch):
+    """Each worker reports its own flags (fed here: one AMX machine, one AVX512-BF16 only);
+    an fp32 run says nothing of them."""
+    from pipeline.core import precision
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                                  dashboard_address="127.0.0.1:0") as cluster, \
+            distributed.Client(cluster) as client:
+        first = sorted(client.scheduler_info()["workers"])[0]
+        monkeypatch.setattr(precision, "cpu_flags", lambda dask_worker: (
+            {"avx512f", "amx_bf16", "avx512_bf16"} if dask_worker.address == first
+            else {"avx512f", "avx512_bf16"}))
+        log = []
+        blas.check(client, None, log.append, restart=False, precision="fp32")
+        assert log == []
+        blas.check(client, None, log.append, restart=False, precision="bf16")
+    assert len(log) == 1 and "\n" not in log[0]
+    assert log[0].startswith("warning: --precision bf16 on workers with different bf16 "
+                             f"instructions (amx_bf16 on {first}; avx512_bf16 on ")
