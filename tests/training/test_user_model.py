@@ -270,3 +270,30 @@ def test_a_worker_lost_mid_round_on_an_external_cluster_replays_to_the_same_bits
             killer.close()
         assert [k[0] for k in killer.killed] == [1], (killer.killed, cluster.logs())
     assert_same_bits(reference, result.params)
+
+
+def test_bf16_reaches_a_model_of_stock_links_with_the_same_bits_on_1_and_2_workers(
+        user_module, dask_client):
+    """``--precision bf16`` rounds a user's ``L.Convolution2D`` and ``L.Linear`` inputs as it
+    does ours (the stock dispatchers), and keeps the guarantees: the same bits on one and two
+    workers; close to the fp32 run."""
+    import distributed
+    from pipeline.backends.chainer.cpu_kernels import dnnl, onednn
+    from pipeline.core import precision
+    if onednn.load() is None or precision.bf16_support(precision.cpu_flags()) is not None:
+        pytest.skip("bf16 needs oneDNN and a CPU with amx_bf16 or avx512_bf16")
+    cfg = make_config(BASE, **{"train.strategy": "ipm", "train.replicas": 2,
+                               "train.precision": "bf16"})
+    before = dnnl.stats["bf16_calls"]
+    two = train(cfg, client=dask_client, model=user_module.Net)
+    assert dnnl.stats["bf16_calls"] > before  # in-process workers: their calls count here
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                                  dashboard_address="127.0.0.1:0") as cluster, \
+            distributed.Client(cluster, set_as_default=False) as client:
+        one = train(cfg, client=client, model=user_module.Net)
+    assert_same_bits(one.params, two.params)
+    fp32 = train(cfg.replace(**{"train.precision": "fp32"}), client=dask_client,
+                 model=user_module.Net)
+    assert not np.array_equal(fp32.params["fc/W"], two.params["fc/W"])
+    loss_bf16, loss_fp32 = two.history[-1]["train_loss"], fp32.history[-1]["train_loss"]
+    assert abs(loss_bf16 - loss_fp32) / loss_fp32 < 0.02  # tests/training/test_bf16_training.py
