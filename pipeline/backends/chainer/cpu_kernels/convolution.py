@@ -163,6 +163,24 @@ def _f32(a):
     return from_bf16(a) if a.dtype == np.uint16 else a
 
 
+def _read_size(hw: tuple, k: tuple, stride: tuple, pad: tuple) -> tuple:
+    """The input's rows and columns the windows read: all of them, or fewer where the last
+    window ends before the input does (a 1x1 convolution at stride 2 on an even size never
+    reads the last row and column; oneDNN takes no negative right padding, so those are cut).
+
+    >>> _read_size((32, 32), (1, 1), (2, 2), (0, 0)), _read_size((32, 32), (3, 3), (2, 2), (1, 1))
+    ((31, 31), (32, 32))
+    """
+    return tuple(min(size, size + onednn.pad_right(size, kk, s, p))
+                 for size, kk, s, p in zip(hw, k, stride, pad))
+
+
+def _read_part(x, k: tuple, stride: tuple, pad: tuple):
+    """x (N, H, W, C) cut to the rows and columns the windows read (a view; x where all)."""
+    read = _read_size(x.shape[1:3], k, stride, pad)
+    return x if read == x.shape[1:3] else x[:, :read[0], :read[1]]
+
+
 def forward(x, w, b, stride: tuple, pad: tuple, threads: int = 1, bf16: bool = False):
     """y = conv(x, w) + b: (N, H, W, C), (O, C, kh, kw), (O,) or None -> (N, Ho, Wo, O).
 
@@ -176,7 +194,8 @@ def forward(x, w, b, stride: tuple, pad: tuple, threads: int = 1, bf16: bool = F
     if n == 0:  # an empty batch (no chunk to cut)
         y = np.zeros((0, out_size(h, kh, sy, ph), out_size(wd, kw, sx, pw), o), x.dtype)
         return y, np.ascontiguousarray(x), tuple(pad)
-    if onednn.usable(x.dtype, w.shape, stride, pad, (h, wd)):
+    x = _read_part(x, (kh, kw), stride, pad)
+    if onednn.usable(x.dtype, w.shape, stride, pad, x.shape[1:3]):
         x = np.ascontiguousarray(x)
         if bf16:
             x = onednn.as_bf16(x)
@@ -261,10 +280,15 @@ def grad_x(gy, w, x_shape: tuple, stride: tuple, pad: tuple, threads: int = 1,
     _, ho, wo, _ = gy.shape
     if n == 0:
         return np.zeros(x_shape, _f32(gy[:0]).dtype)
-    if onednn.usable(gy.dtype, w.shape, stride, pad, (h, wd)):
-        gx = onednn.grad_x(gy, w, tuple(x_shape), tuple(stride), tuple(pad), threads,
-                           bf16 or gy.dtype == np.uint16)
-        if gx is not None:
+    read = _read_size((h, wd), (kh, kw), stride, pad)
+    if onednn.usable(gy.dtype, w.shape, stride, pad, read):
+        part = onednn.grad_x(gy, w, (n, *read, c), tuple(stride), tuple(pad), threads,
+                             bf16 or gy.dtype == np.uint16)
+        if part is not None and read == (h, wd):
+            return part
+        if part is not None:  # rows and columns no window reads get no gradient
+            gx = np.zeros(x_shape, part.dtype)
+            gx[:, :read[0], :read[1]] = part
             return gx
     gy = _f32(gy)
     if (sy, sx) == (1, 1) and ph < kh and pw < kw:
