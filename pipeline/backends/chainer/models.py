@@ -120,10 +120,10 @@ class _Basic(chainer.Chain):
                 self.bnp = K.BatchNormalization(cout)
 
     def forward(self, x):
-        h = F.relu(self.bn1(self.conv1(x)))
+        h = self.bn1(self.conv1(x), relu=True)  # F.relu(bn1(...)) in its passes: the same bits
         h = self.bn2(self.conv2(h))
         shortcut = self.bnp(self.proj(x)) if hasattr(self, "proj") else x
-        return F.relu(h + shortcut)
+        return K.add_relu(h, shortcut)  # F.relu(h + shortcut)
 
 
 class ResNet20(chainer.Chain):
@@ -143,7 +143,7 @@ class ResNet20(chainer.Chain):
             self.fc = L.Linear(64, n_classes, initialW=I.LeCunNormal(rng=rng))
 
     def forward(self, x, rng: np.random.Generator | None = None):
-        h = F.relu(self.bn1(self.conv1(x)))
+        h = self.bn1(self.conv1(x), relu=True)
         for block in self.stages:
             h = block(h)
         return self.fc(F.mean(h, axis=(2, 3)))

@@ -56,18 +56,20 @@ class BatchNormalization(L.BatchNormalization):
     inference with a graph go to Chainer's functions.
     """
 
-    def forward(self, x, **kwargs):
+    def forward(self, x, relu: bool = False, **kwargs):
+        """BN of x; ``relu``: ``F.relu`` of it, in the same passes on our kernels (the same
+        bits: ``cpu_kernels.fused_relu``), after it elsewhere."""
         if (kwargs or x.ndim != 4 or self.axis is not None
                 or self.avg_mean is None or self.gamma is None or self.beta is None
                 or self.gamma.dtype != x.dtype or chainer.config.in_recomputing):
-            return super().forward(x, **kwargs)
+            return _relu_if(super().forward(x, **kwargs), relu)
         if use_ours(x):
-            return self._ours(x)
+            return self._ours(x, relu)
         if gpu_kernels.use_cudnn(x):
             y = self._cudnn(x)
             if y is not None:
-                return y
-        return super().forward(x)
+                return _relu_if(y, relu)
+        return _relu_if(super().forward(x), relu)
 
     def _cudnn(self, x):
         if chainer.config.train:
@@ -78,14 +80,28 @@ class BatchNormalization(L.BatchNormalization):
                                                          self.avg_mean, self.avg_var, self.eps)
         return None
 
-    def _ours(self, x):
+    def _ours(self, x, relu: bool = False):
         if chainer.config.train:
             return functions.batch_normalization(x, self.gamma, self.beta, self.eps,
-                                                 self.avg_mean, self.avg_var, self.decay)
+                                                 self.avg_mean, self.avg_var, self.decay, relu)
         if not chainer.config.enable_backprop:
-            return functions.fixed_batch_normalization(x, self.gamma, self.beta, self.avg_mean,
-                                                       self.avg_var, self.eps)
-        return super().forward(x)
+            return _relu_if(functions.fixed_batch_normalization(
+                x, self.gamma, self.beta, self.avg_mean, self.avg_var, self.eps), relu)
+        return _relu_if(super().forward(x), relu)
+
+
+def _relu_if(y, relu: bool):
+    return F.relu(y) if relu else y
+
+
+def add_relu(a, b):
+    """``F.relu(a + b)``: one pass on our kernels for NumPy inputs of one shape and dtype (the
+    same bits, ``cpu_kernels.fused_relu``), Chainer's two functions elsewhere."""
+    arrays = [v.array if isinstance(v, chainer.Variable) else v for v in (a, b)]
+    if (use_ours(a) and type(arrays[1]) is np.ndarray and arrays[0].shape == arrays[1].shape
+            and arrays[0].dtype == arrays[1].dtype and arrays[0].dtype.kind == "f"):
+        return functions.add_relu(a, b)
+    return F.relu(a + b)
 
 
 def max_pooling_2d(x, ksize, stride=None, pad=0, cover_all=True):
@@ -110,4 +126,4 @@ def spatial_pyramid_pooling_2d(x, pyramid_height: int, pooling: str = "max"):
 
 
 __all__ = ["use_ours", "Convolution2D", "BatchNormalization", "max_pooling_2d",
-           "average_pooling_2d", "spatial_pyramid_pooling_2d"]
+           "average_pooling_2d", "spatial_pyramid_pooling_2d", "add_relu"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.backends.chainer.compat import chainer
-from pipeline.backends.chainer.cpu_kernels import (convolution, normalization, onednn, pooling,
-                                                   sharing)
+from pipeline.backends.chainer.cpu_kernels import (convolution, fused, fused_relu,
+                                                   normalization, onednn, pooling, sharing)
 from pipeline.backends.chainer.cpu_kernels.layout import to_nchw, to_nhwc
 
 type_check = chainer.utils.type_check
@@ -135,8 +135,8 @@ def _pixels(x):
 class BatchNormalization(chainer.FunctionNode):
     """Training-mode BN over (N, H, W) per channel, updating the running statistics in place."""
 
-    def __init__(self, eps=2e-5, running_mean=None, running_var=None, decay=0.9):
-        self.eps, self.decay = eps, decay
+    def __init__(self, eps=2e-5, running_mean=None, running_var=None, decay=0.9, relu=False):
+        self.eps, self.decay, self.relu = eps, decay, relu
         self.running = None if running_mean is None else (running_mean, running_var)
 
     def check_type_forward(self, in_types):
@@ -150,16 +150,17 @@ class BatchNormalization(chainer.FunctionNode):
         x, gamma, beta = inputs
         x2, shape = _pixels(x)
         y, self._x_hat, self._inv_std = normalization.forward(x2, gamma, beta, self.eps,
-                                                              self.running, self.decay)
-        self.retain_inputs((1,))
+                                                              self.running, self.decay, self.relu)
+        self.retain_inputs((1, 2) if self.relu else (1,))
         self._shape = shape
         return to_nchw(y.reshape(shape)),
 
     def backward(self, indexes, grad_outputs):
         _no_double_backprop("batch_normalization")
-        gamma = self.get_retained_inputs()[0].array
+        retained = [v.array for v in self.get_retained_inputs()]
         gy, _ = _pixels(grad_outputs[0].array)
-        gx, ggamma, gbeta = normalization.backward(gy, self._x_hat, gamma, self._inv_std)
+        gx, ggamma, gbeta = normalization.backward(gy, self._x_hat, retained[0], self._inv_std,
+                                                   retained[1] if self.relu else None)
         grads = {0: to_nchw(gx.reshape(self._shape)), 1: ggamma, 2: gbeta}
         return tuple(chainer.Variable(grads[i]) for i in indexes)
 
@@ -181,9 +182,30 @@ class FixedBatchNormalization(chainer.FunctionNode):
 
 
 def batch_normalization(x, gamma, beta, eps=2e-5, running_mean=None, running_var=None,
-                        decay=0.9):
-    """``F.batch_normalization`` for (N, C, H, W) NumPy input (axis (0, 2, 3))."""
-    return BatchNormalization(eps, running_mean, running_var, decay).apply((x, gamma, beta))[0]
+                        decay=0.9, relu=False):
+    """``F.batch_normalization`` for (N, C, H, W) NumPy input (axis (0, 2, 3)); ``relu``:
+    ``F.relu`` of it in the same passes (``fused_relu``: the same bits)."""
+    return BatchNormalization(eps, running_mean, running_var, decay, relu).apply(
+        (x, gamma, beta))[0]
+
+
+class AddReLU(chainer.FunctionNode):
+    """relu(a + b) in one pass; the ReLU's gradient reaches a and b as Add's backward passes it."""
+
+    def forward_cpu(self, inputs):
+        self.retain_outputs((0,))
+        return fused_relu.add_relu(*inputs),
+
+    def backward(self, indexes, grad_outputs):
+        _no_double_backprop("add_relu")
+        y = self.get_retained_outputs()[0].array
+        g = chainer.Variable(fused.relu_grad(grad_outputs[0].array, y))
+        return tuple(g for _ in indexes)
+
+
+def add_relu(a, b):
+    """``F.relu(a + b)`` for NumPy inputs of one shape and dtype, in one pass (the same bits)."""
+    return AddReLU().apply((a, b))[0]
 
 
 def fixed_batch_normalization(x, gamma, beta, mean, var, eps=2e-5):
@@ -228,4 +250,5 @@ def spatial_pyramid_pooling_2d(x, pyramid_height: int, pooling: str = "max"):
 
 __all__ = ["Convolution2D", "MaxPooling2D", "AveragePooling2D", "BatchNormalization",
            "FixedBatchNormalization", "convolution_2d", "max_pooling_2d", "average_pooling_2d",
-           "spatial_pyramid_pooling_2d", "batch_normalization", "fixed_batch_normalization"]
+           "spatial_pyramid_pooling_2d", "batch_normalization", "fixed_batch_normalization",
+           "AddReLU", "add_relu"]

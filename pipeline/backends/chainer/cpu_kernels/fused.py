@@ -118,8 +118,11 @@ def _row_sums(a: np.ndarray) -> np.ndarray:
     if a.shape[0] == 0:
         return np.zeros(a.shape[1], np.float64)
     if a.shape[1] == 1:
-        return np.cumsum(a, axis=0, dtype=np.float64)[-1]
-    return np.add.reduce(a, axis=0, dtype=np.float64)
+        sums = np.cumsum(a, axis=0, dtype=np.float64)[-1]
+    else:
+        sums = np.add.reduce(a, axis=0, dtype=np.float64)
+    sums += 0.0  # the loops start from +0.0: a sum of -0.0 terms alone is +0.0 there
+    return sums
 
 
 SLICE = 1 << 17  # elements per slice of an element-wise loop that threads share
