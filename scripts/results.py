@@ -23,6 +23,7 @@ AREAS = {
     "peer": "Against a plain PyTorch loop on the same cores (benchmarks/peer.py)",
     "cpu_kernels": "CPU kernels against Chainer's own functions (benchmarks/cpu_kernels.py)",
     "cpu_kernels_precision": "bf16 convolutions against fp32 on CPUs (benchmarks/cpu_kernels.py --precision)",
+    "precision_accuracy": "bf16 against fp32 test accuracy (benchmarks/precision_accuracy.py)",
     "stock_links": "Stock Chainer links on our kernels (benchmarks/stock_links.py)",
     "speedup": "Two workers over one (benchmarks/speedup.py)",
     "overhead": "The pipeline against a bare training loop (benchmarks/overhead.py)",
@@ -83,7 +84,7 @@ def _shown(value) -> str | None:
 # A field whose name holds one of these is a result (a ratio, a rate, an accuracy, a goal);
 # the rest (batch size, repeats, versions) describes the set-up, which benchmarks.md gives.
 HEADLINE = ("ratio", "speedup", "goal", "target", "acc", "seconds", "met", "gbps", "fraction",
-            "error")
+            "error", "_vs_", "gap")
 
 
 def flat(record: dict, prefix: str = "", depth: int = 3):
