@@ -21,6 +21,8 @@ RESULTS = ROOT / "docs" / "results.md"
 # Areas, in the order a reader asks about them: bench name -> what it compares.
 AREAS = {
     "peer": "Against a plain PyTorch loop on the same cores (benchmarks/peer.py)",
+    "peer step": "One training step on one core against PyTorch (benchmarks/peer.py --part step)",
+    "peer train": "Time to accuracy on 2 cores against PyTorch (benchmarks/peer.py --part train)",
     "cpu_kernels": "CPU kernels against Chainer's own functions (benchmarks/cpu_kernels.py)",
     "cpu_kernels_precision": "bf16 convolutions against fp32 on CPUs (benchmarks/cpu_kernels.py --precision)",
     "precision_accuracy": "bf16 against fp32 test accuracy (benchmarks/precision_accuracy.py)",
@@ -40,6 +42,9 @@ AREAS = {
     "cold_start": "What a run pays once (benchmarks/cold_start.py)",
 }
 MAX_FIELDS = 14  # cells shown per area (the lab notebook has every field)
+# Benchmarks whose parts run alone: part -> the key its figures sit under. Each part shows its
+# newest line, so a run of one part does not hide the other's headline.
+PARTS = {"peer": {"step": "step", "train": "runs"}}
 
 
 def newest(text: str) -> dict:
@@ -54,8 +59,20 @@ def newest(text: str) -> dict:
             section = line[3:].strip()
         record = _record(line.strip())
         if record is not None and isinstance(record.get("bench"), str):
-            found[record["bench"]] = (record, section)
+            for name in _areas(record):
+                found[name] = (record, section)
     return found
+
+
+def _areas(record: dict) -> list:
+    """The area names of a record: its bench, or ``"<bench> <part>"`` for each part it holds.
+
+    >>> _areas({"bench": "peer", "step": {}}), _areas({"bench": "x"})
+    (['peer step'], ['x'])
+    """
+    parts = PARTS.get(record["bench"], {})
+    return [f"{record['bench']} {p}" for p, key in parts.items() if key in record] or [
+        record["bench"]]
 
 
 def _record(text: str) -> dict | None:
