@@ -32,10 +32,10 @@ PyTorch runs in its own environment (it is no dependency of ours): ``--torch-pyt
 
     python3.11 -m venv /tmp/peer && /tmp/peer/bin/pip install torch numpy
     PEER_TORCH_PYTHON=/tmp/peer/bin/python flock /work/cpu.lock .venv/bin/python \
-        benchmarks/peer.py --part step                                           # ~3 min
+        benchmarks/peer.py --part step                                # ~2 min on 2 cores
     flock /work/cpu.lock .venv/bin/python benchmarks/peer.py --part train     # ~20 min on 2 cores
     flock /work/cpu.lock .venv/bin/python benchmarks/peer.py --part train \
-        --torch 2:cl:bf16 --ours ipm:2:2x1:bf16                # the 2-core bf16 goal, ~15 min
+        --torch 2:cl:bf16 --ours ipm:2:2x1:bf16                 # the 2-core bf16 goal, ~4 min
 
 ``--ours`` takes STRATEGY:K:WORKERSxTHREADS[:PRECISION] items, e.g. ``ipm:2:2x1`` (the default:
 K=2 replicas on two one-thread workers, H = ``--mix-every``, fp32), ``single:1:1x2``,
