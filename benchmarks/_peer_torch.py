@@ -6,10 +6,14 @@ pools with ceil mode as Chainer's cover_all, spatial pyramid pooling of height 3
 dropout 0.5; resnet20: He et al. 2016 sec. 4.2), the same initialisers (He normal for
 convolutions, LeCun normal for fully connected layers, zero biases), Adam, per-channel
 normalisation, and the CIFAR policy (zero-pad 4, random 32x32 crop, horizontal flip) drawn per
-batch with NumPy. One process, ``torch.set_num_threads(threads)``.
+batch with NumPy. One process, ``torch.set_num_threads(threads)``. ``--channels-last``: the model
+and every input batch in ``torch.channels_last`` memory format; ``--precision bf16``: forward and
+loss under ``torch.autocast("cpu", dtype=torch.bfloat16)`` (backward and Adam as autocast leaves
+them: float32 weights and gradients), the recipe PyTorch documents for CPU mixed precision.
 
     python _peer_torch.py train DATA.npz --threads 2 --epochs 20    # curve as one JSON line
     python _peer_torch.py step --model resnet20 --steps 5           # bare steps, images/s
+    python _peer_torch.py step --channels-last --precision bf16     # autocast, channels-last
 
 Reads only the .npz that peer.py wrote (``allow_pickle=False``).
 """
@@ -106,17 +110,33 @@ def pad_crop_flip(images: np.ndarray, rng: np.random.Generator, pad: int = 4) ->
     return out
 
 
-def normalize(images: np.ndarray, mean, std) -> torch.Tensor:
+def normalize(images: np.ndarray, mean, std, layout=torch.contiguous_format) -> torch.Tensor:
+    """(n, 3, h, w) uint8 -> float32 of the same shape, in ``layout``'s memory format."""
     x = torch.from_numpy(np.ascontiguousarray(images)).float()
-    return (x - torch.tensor(mean).view(1, -1, 1, 1)) / torch.tensor(std).view(1, -1, 1, 1)
+    x = (x - torch.tensor(mean).view(1, -1, 1, 1)) / torch.tensor(std).view(1, -1, 1, 1)
+    return x.contiguous(memory_format=layout)
 
 
-def accuracy(model, images, labels, mean, std, batch: int = 500) -> float:
+class Recipe:
+    """How a loop runs the net: its inputs' memory format and the autocast around the forward."""
+
+    def __init__(self, channels_last: bool, precision: str):
+        self.layout = torch.channels_last if channels_last else torch.contiguous_format
+        self.bf16 = precision == "bf16"
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        return model.to(memory_format=self.layout)
+
+    def autocast(self):
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16)
+
+
+def accuracy(model, images, labels, mean, std, recipe: Recipe, batch: int = 500) -> float:
     model.eval()
     right = 0
-    with torch.no_grad():
+    with torch.no_grad(), recipe.autocast():
         for lo in range(0, len(images), batch):
-            logits = model(normalize(images[lo:lo + batch], mean, std))
+            logits = model(normalize(images[lo:lo + batch], mean, std, recipe.layout))
             right += int((logits.argmax(1).numpy() == labels[lo:lo + batch]).sum())
     model.train()
     return right / len(images)
@@ -128,19 +148,21 @@ def train(a) -> dict:
         mean, std = z["mean"].tolist(), z["std"].tolist()
     torch.manual_seed(a.seed)
     rng = np.random.default_rng(a.seed)
-    model = MODELS[a.model](int(max(y.max(), yt.max())) + 1)
+    recipe = Recipe(a.channels_last, a.precision)
+    model = recipe.prepare(MODELS[a.model](int(max(y.max(), yt.max())) + 1))
     opt = torch.optim.Adam(model.parameters(), lr=a.lr)
     start, curve, steps = time.perf_counter(), [], len(x) // a.batch_size
     for epoch in range(1, a.epochs + 1):
         order = rng.permutation(len(x))
         for s in range(steps):
             idx = order[s * a.batch_size:(s + 1) * a.batch_size]
-            loss = F.cross_entropy(model(normalize(pad_crop_flip(x[idx], rng), mean, std)),
-                                   torch.from_numpy(y[idx]))
+            batch = normalize(pad_crop_flip(x[idx], rng), mean, std, recipe.layout)
+            with recipe.autocast():
+                loss = F.cross_entropy(model(batch), torch.from_numpy(y[idx]))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-        acc = accuracy(model, xt, yt, mean, std)
+        acc = accuracy(model, xt, yt, mean, std, recipe)
         curve.append([epoch, round(acc, 4), round(time.perf_counter() - start, 2)])
         print(f"torch {a.threads}t epoch {epoch} test_acc {acc:.4f} "
               f"{curve[-1][2]:.1f} s", flush=True)
@@ -150,14 +172,17 @@ def train(a) -> dict:
 def step(a) -> dict:
     """Bare training steps on one fixed batch: images/s by the wall and this thread's CPU clock."""
     torch.manual_seed(a.seed)
-    model = MODELS[a.model](10)
+    recipe = Recipe(a.channels_last, a.precision)
+    model = recipe.prepare(MODELS[a.model](10))
     opt = torch.optim.Adam(model.parameters(), lr=a.lr)
     rng = np.random.default_rng(a.seed)
     x = torch.from_numpy(rng.standard_normal((a.batch_size, 3, 32, 32), np.float32))
+    x = x.contiguous(memory_format=recipe.layout)
     t = torch.from_numpy(rng.integers(0, 10, a.batch_size))
 
     def one():
-        loss = F.cross_entropy(model(x), t)
+        with recipe.autocast():
+            loss = F.cross_entropy(model(x), t)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -181,11 +206,17 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--channels-last", action="store_true",
+                   help="model and inputs in torch.channels_last memory format")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                   help="bf16: forward and loss under torch.autocast('cpu', torch.bfloat16)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     torch.set_num_interop_threads(1)
     out = train(a) if a.mode == "train" else step(a)
-    print(json.dumps({"torch": torch.__version__, "threads": a.threads, **out}), flush=True)
+    print(json.dumps({"torch": torch.__version__, "threads": a.threads,
+                      "channels_last": a.channels_last, "precision": a.precision, **out}),
+          flush=True)
 
 
 if __name__ == "__main__":

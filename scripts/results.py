@@ -21,9 +21,12 @@ RESULTS = ROOT / "docs" / "results.md"
 # Areas, in the order a reader asks about them: bench name -> what it compares.
 AREAS = {
     "peer": "Against a plain PyTorch loop on the same cores (benchmarks/peer.py)",
+    "peer step": "One training step on one core against PyTorch (benchmarks/peer.py --part step)",
+    "peer train": "Time to accuracy on 2 cores against PyTorch (benchmarks/peer.py --part train)",
     "cpu_kernels": "CPU kernels against Chainer's own functions (benchmarks/cpu_kernels.py)",
     "cpu_kernels_precision": "bf16 convolutions against fp32 on CPUs (benchmarks/cpu_kernels.py --precision)",
     "cpu_kernels_threads": "One replica on two threads (benchmarks/cpu_kernels.py --threads)",
+    "precision_accuracy": "bf16 against fp32 test accuracy (benchmarks/precision_accuracy.py)",
     "stock_links": "Stock Chainer links on our kernels (benchmarks/stock_links.py)",
     "speedup": "Two workers over one (benchmarks/speedup.py)",
     "overhead": "The pipeline against a bare training loop (benchmarks/overhead.py)",
@@ -40,6 +43,9 @@ AREAS = {
     "cold_start": "What a run pays once (benchmarks/cold_start.py)",
 }
 MAX_FIELDS = 14  # cells shown per area (the lab notebook has every field)
+# Benchmarks whose parts run alone: part -> the key its figures sit under. Each part shows its
+# newest line, so a run of one part does not hide the other's headline.
+PARTS = {"peer": {"step": "step", "train": "runs"}}
 
 
 def newest(text: str) -> dict:
@@ -54,8 +60,20 @@ def newest(text: str) -> dict:
             section = line[3:].strip()
         record = _record(line.strip())
         if record is not None and isinstance(record.get("bench"), str):
-            found[record["bench"]] = (record, section)
+            for name in _areas(record):
+                found[name] = (record, section)
     return found
+
+
+def _areas(record: dict) -> list:
+    """The area names of a record: its bench, or ``"<bench> <part>"`` for each part it holds.
+
+    >>> _areas({"bench": "peer", "step": {}}), _areas({"bench": "x"})
+    (['peer step'], ['x'])
+    """
+    parts = PARTS.get(record["bench"], {})
+    return [f"{record['bench']} {p}" for p, key in parts.items() if key in record] or [
+        record["bench"]]
 
 
 def _record(text: str) -> dict | None:
@@ -84,7 +102,7 @@ def _shown(value) -> str | None:
 # A field whose name holds one of these is a result (a ratio, a rate, an accuracy, a goal);
 # the rest (batch size, repeats, versions) describes the set-up, which benchmarks.md gives.
 HEADLINE = ("ratio", "speedup", "goal", "target", "acc", "seconds", "met", "gbps", "fraction",
-            "error")
+            "error", "_vs_", "gap")
 
 
 def flat(record: dict, prefix: str = "", depth: int = 3):
