@@ -47,3 +47,14 @@ def test_peer_items_parse():
     proc = subprocess.run([sys.executable, "-m", "doctest", str(BENCHMARKS / "peer.py")],
                           capture_output=True, text=True, timeout=60, cwd=BENCHMARKS)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_cpu_kernels_threads_smoke():
+    """benchmarks/cpu_kernels.py --threads: one replica's step on 1 and 2 kernel threads."""
+    lines = _run("cpu_kernels.py", "--threads", "1,2", "--models", "small-cnn", "--steps", "1",
+                 "--repeats", "1", "--batch-size", "16")
+    last = json.loads(lines[-1])
+    assert last["bench"] == "cpu_kernels_threads"
+    row = last["models"]["small-cnn fp32"]
+    assert row["1_threads_img_s"] > 0 and row["2_threads_img_s"] > 0
+    assert row["2_threads_over_1"] > 0
