@@ -104,6 +104,40 @@ def test_recipe_fills_auto_fields_for_ipm_k_gt_1_only():
     assert grad.average.outer_lr == 1.0 and grad.train.lr_scaling == "none"
 
 
+@pytest.mark.parametrize("k", [2, 4, 8, 16])
+def test_plain_config_with_k_replicas_resolves_to_the_recipe(k):
+    """What a plain ``train`` with K replicas and Adam runs is ``IPM.recipe`` for that K: every
+    field the recipe fills, nothing given by hand (issue 44: the recipe for every K)."""
+    from pipeline.training import prepare, strategies
+    plain = _config(**{"train.replicas": k, "train.optimizer": "adam"})
+    assert plain.train.strategy == "ipm"  # the default strategy
+    recipe = strategies.get("ipm").recipe(plain)
+    resolved = prepare.normalise(plain)
+    assert recipe and {name: getattr(getattr(resolved, name.split(".")[0]), name.split(".")[1])
+                       for name in recipe} == recipe
+
+
+def test_train_with_k16_records_and_runs_the_recipe(tmp_path, dask_client):
+    """A plain ``train`` call with 16 replicas writes the recipe's values to config.json, and its
+    rounds train at the recipe's rates: a warmup over the first epoch, then lr x its scaling."""
+    from pipeline.core.schedule import learning_rate
+    from pipeline.training import strategies
+    cfg = _config(tmp_path, **{"train.replicas": 16, "train.batch_size": 8, "train.epochs": 2,
+                               "train.optimizer": "adam", "train.lr": 1e-3})
+    train(cfg, client=dask_client)
+    written = json.loads((tmp_path / "config.json").read_text())
+    recipe = strategies.get("ipm").recipe(cfg)
+    assert {n: written[n.split(".")[0]][n.split(".")[1]] for n in recipe} == recipe
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    per_epoch = 512 // (16 * 8)  # 4 steps: one round an epoch (rounds never straddle epochs)
+    warmup = round(recipe["train.warmup_epochs"] * per_epoch)
+    expected = [learning_rate(1e-3, 16, recipe["train.lr_scaling"], warmup, x["step"] - 1)
+                for x in lines]
+    assert [x["lr"] for x in lines] == pytest.approx(expected)
+    assert lines[-1]["lr"] == pytest.approx(1e-3 * {"none": 1, "sqrt": 4, "linear": 16}[
+        recipe["train.lr_scaling"]])
+
+
 def test_existing_run_is_not_overwritten(tmp_path, dask_client):
     cfg = _config(tmp_path, **{"train.strategy": "single", "train.replicas": 1,
                                "train.epochs": 0.25})
