@@ -14,6 +14,7 @@ docs/references.md; Adam, per-replica batch 100):
 - ``--part replicas`` (issue 44): ``single`` and ``ipm`` at each K of ``--replicas`` at equal
   epochs, one JSON line per run with every epoch's test accuracy, then the summary: the mean
   test accuracy over epochs 16-20 (``--mean-from``/the last epoch), its gap to single per K
+  in points (``acc_gap_points_k<K>``)
   (goals: K = 4, 8 within 1 point, K = 16 within 2), and the sequential steps per replica at
   which each K first reaches single's final accuracy over single's steps (goal for K = 8:
   <= 1/4). ``--train-images N`` keeps the first N training images of the archive;
@@ -122,25 +123,25 @@ def replicas_part(a) -> dict:
 
 
 def summarise(curves: dict, a, n_train: int | None) -> dict:
-    """Mean accuracy over the last epochs, its gap to single, and steps to single's final."""
+    """Per K (flat fields, ``_k<K>``): the mean accuracy over the last epochs, its gap to single
+    in points, and the steps to single's final accuracy over single's steps."""
     n_train = n_train or 17966
     first = a.mean_from
     means = {k: sum(acc for e, acc, _ in c if e >= first) / max(1, sum(e >= first for e, _, _ in c))
              for k, c in curves.items()}
-    out = {"train_images": n_train, "replicas": a.replicas,
-           "set": dict(s.split("=", 1) for s in a.set),
-           "mean_from_epoch": first,
-           "mean_acc": {str(k): round(m, 4) for k, m in means.items()}}
-    if 1 in curves:
-        target = curves[1][-1][1]
-        single_steps = per_epoch_steps(n_train, 1, a.batch_size) * a.epochs
-        out["gap_to_single"] = {str(k): round(100 * (means[1] - m), 2) for k, m in means.items()
-                                if k != 1}
-        steps = {k: reach_steps(c, target, per_epoch_steps(n_train, k, a.batch_size))
-                 for k, c in curves.items()}
-        out["steps_to_single_final"] = {str(k): s for k, s in steps.items()}
-        out["steps_ratio_to_single"] = {str(k): (round(s / single_steps, 3) if s else None)
-                                        for k, s in steps.items() if k != 1}
+    out = {"train_images": n_train, "replicas": a.replicas, "set": dict(x.split("=", 1) for x in a.set),
+           "mean_from_epoch": first}
+    out.update({f"mean_acc_k{k}": round(m, 4) for k, m in means.items()})
+    if 1 not in curves:
+        return out
+    target = curves[1][-1][1]
+    single_steps = per_epoch_steps(n_train, 1, a.batch_size) * a.epochs
+    steps = {k: reach_steps(c, target, per_epoch_steps(n_train, k, a.batch_size))
+             for k, c in curves.items()}
+    for k in (k for k in curves if k != 1):
+        out[f"acc_gap_points_k{k}"] = round(100 * (means[1] - means[k]), 2)
+        out[f"steps_to_single_final_k{k}"] = steps[k]
+        out[f"steps_ratio_k{k}"] = round(steps[k] / single_steps, 3) if steps[k] else None
     return out
 
 
@@ -206,7 +207,7 @@ def main(argv=None):
                "equal_epoch_gap_k4": None, "time_ratio_k2": None}
     if a.part == "replicas":
         figures.pop("equal_epoch_gap_k4"), figures.pop("time_ratio_k2")
-        figures.update({"part": "replicas", "seed": a.seed, "batch_size": a.batch_size})
+        figures.update({"bench": "time_to_accuracy_replicas", "seed": a.seed, "batch_size": a.batch_size})
         figures.update(replicas_part(a))
     if a.part in ("all", "equal-epoch"):
         figures.update(equal_epoch(a))
