@@ -104,6 +104,22 @@ def test_recipe_fills_auto_fields_for_ipm_k_gt_1_only():
     assert grad.average.outer_lr == 1.0 and grad.train.lr_scaling == "none"
 
 
+@pytest.mark.parametrize("k, optimizer, given, h", [
+    (2, "adam", "auto", "10"), (4, "adam", "auto", "10"), (8, "adam", "auto", "1"),
+    (16, "adam", "auto", "1"), (8, "momentum", "auto", "10"), (16, "adam", "5", "5")])
+def test_recipe_averages_every_step_from_k8(k, optimizer, given, h):
+    """H = 1 from IPM.SYNC_FROM_K replicas with Adam (docs/strategies.md, issue 44); H = 10
+    below it, without the recipe's optimizer, and for async; an H given by hand wins."""
+    from pipeline.training import strategies
+    cfg = _config(**{"train.replicas": k, "train.optimizer": optimizer,
+                     "average.mix_every": given})
+    assert strategies.get("ipm").resolve(cfg).average.mix_every == h
+    assert strategies.get("ipm").resolve(cfg.replace(**{"train.recipe": False})
+                                         ).average.mix_every == ("10" if given == "auto" else given)
+    assert strategies.get("async").resolve(cfg).average.mix_every == ("10" if given == "auto"
+                                                                      else given)
+
+
 @pytest.mark.parametrize("k", [2, 4, 8, 16])
 def test_plain_config_with_k_replicas_resolves_to_the_recipe(k):
     """What a plain ``train`` with K replicas and Adam runs is ``IPM.recipe`` for that K: every
