@@ -13,11 +13,10 @@ docs/references.md; Adam, per-replica batch 100):
   K=2 gain kept; the issue measured 0.53 before the recipe).
 - ``--part replicas`` (issue 44): ``single`` and ``ipm`` at each K of ``--replicas`` at equal
   epochs, one JSON line per run with every epoch's test accuracy, then the summary: the mean
-  test accuracy over epochs 16-20 (``--mean-from``/the last epoch), its gap to single per K
-  in points (``acc_gap_points_k<K>``)
-  (goals: K = 4, 8 within 1 point, K = 16 within 2), and the sequential steps per replica at
-  which each K first reaches single's final accuracy over single's steps (goal for K = 8:
-  <= 1/4). ``--train-images N`` keeps the first N training images of the archive;
+  test accuracy over epochs 16-20 (``--mean-from`` to the last epoch), its gap to single per
+  K in points (``acc_gap_points_k<K>``; goals: K = 4, 8 within 1 point, K = 16 within 2), and
+  the sequential steps per replica at which each K first reaches single's final accuracy
+  over single's steps (goal for K = 8: <= 1/4). ``--train-images N`` keeps the first N training images of the archive;
   ``--set field=JSON`` sets a config field of the ipm runs (a candidate).
 
 Both runs keep a constant learning rate after the warmup; ``--lr-decay cosine`` decays both.
@@ -127,10 +126,10 @@ def summarise(curves: dict, a, n_train: int | None) -> dict:
     in points, and the steps to single's final accuracy over single's steps."""
     n_train = n_train or 17966
     first = a.mean_from
-    means = {k: sum(acc for e, acc, _ in c if e >= first) / max(1, sum(e >= first for e, _, _ in c))
-             for k, c in curves.items()}
-    out = {"train_images": n_train, "replicas": a.replicas, "set": dict(x.split("=", 1) for x in a.set),
-           "mean_from_epoch": first}
+    last = {k: [acc for e, acc, _ in c if e >= first] for k, c in curves.items()}
+    means = {k: sum(accs) / max(1, len(accs)) for k, accs in last.items()}
+    out = {"train_images": n_train, "replicas": a.replicas,
+           "set": dict(x.split("=", 1) for x in a.set), "mean_from_epoch": first}
     out.update({f"mean_acc_k{k}": round(m, 4) for k, m in means.items()})
     if 1 not in curves:
         return out
@@ -207,7 +206,8 @@ def main(argv=None):
                "equal_epoch_gap_k4": None, "time_ratio_k2": None}
     if a.part == "replicas":
         figures.pop("equal_epoch_gap_k4"), figures.pop("time_ratio_k2")
-        figures.update({"bench": "time_to_accuracy_replicas", "seed": a.seed, "batch_size": a.batch_size})
+        figures.update({"bench": "time_to_accuracy_replicas", "seed": a.seed,
+                        "batch_size": a.batch_size})
         figures.update(replicas_part(a))
     if a.part in ("all", "equal-epoch"):
         figures.update(equal_epoch(a))
