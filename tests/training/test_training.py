@@ -108,7 +108,7 @@ def test_recipe_fills_auto_fields_for_ipm_k_gt_1_only():
     (2, "adam", "auto", "10"), (4, "adam", "auto", "10"), (8, "adam", "auto", "1"),
     (16, "adam", "auto", "1"), (8, "momentum", "auto", "10"), (16, "adam", "5", "5")])
 def test_recipe_averages_every_step_from_k8(k, optimizer, given, h):
-    """H = 1 from IPM.SYNC_FROM_K replicas with Adam (docs/strategies.md, issue 44); H = 10
+    """H = 1 from IPM.SYNC_FROM_K replicas with Adam (docs/strategies.md, "K = 2 to 16"); H = 10
     below it, without the recipe's optimizer, and for async; an H given by hand wins."""
     from pipeline.training import strategies
     cfg = _config(**{"train.replicas": k, "train.optimizer": optimizer,
@@ -123,7 +123,7 @@ def test_recipe_averages_every_step_from_k8(k, optimizer, given, h):
 @pytest.mark.parametrize("k", [2, 4, 8, 16])
 def test_plain_config_with_k_replicas_resolves_to_the_recipe(k):
     """What a plain ``train`` with K replicas and Adam runs is ``IPM.recipe`` for that K: every
-    field the recipe fills, nothing given by hand (issue 44: the recipe for every K)."""
+    field the recipe fills, nothing given by hand (the recipe for every K)."""
     from pipeline.training import prepare, strategies
     plain = _config(**{"train.replicas": k, "train.optimizer": "adam"})
     assert plain.train.strategy == "ipm"  # the default strategy

@@ -72,7 +72,7 @@ class IPM(Strategy):
     # From this many replicas the recipe averages after every step (H = 1). On 5,000 real
     # images (cifar10-2015, batch 100, 20 epochs) K = 8 with H = 1 averaged 0.471 over epochs
     # 16-20 against 0.453 with H = 10 (cut to 6 by the epoch's end), single 0.527; K <= 4 keeps
-    # H = 10 (K = 4 on 17,966 images: 0.6 points from single). docs/strategies.md, issue 44.
+    # H = 10 (K = 4 on 17,966 images: 0.6 points from single). docs/strategies.md, "K = 2 to 16".
     SYNC_FROM_K = 8
 
     @classmethod
