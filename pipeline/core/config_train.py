@@ -139,7 +139,8 @@ class AverageConfig:
 
     mix_every: str | int = opt("auto", "round length H: 10 = ten local steps, 1ep = one epoch "
                                "(ipm averages after each round; async's delta pushes after H "
-                               "steps); auto: the strategy's recipe, else 10",
+                               "steps); auto: the strategy's recipe (ipm with adam: 1 from 8 "
+                               "replicas, IPM.SYNC_FROM_K), else 10",
                                flag="--mix-every", metavar="H", unit="steps")
     # Fewer levels move fewer float64 partial sums (benchmarks/averaging.py).
     fan_in: int = opt(4, "inputs per average- task of the reduction tree (dask's split_every)",
