@@ -31,6 +31,7 @@ AREAS = {
     "speedup": "Two workers over one (benchmarks/speedup.py)",
     "overhead": "The pipeline against a bare training loop (benchmarks/overhead.py)",
     "time_to_accuracy": "Time to accuracy by strategy (benchmarks/time_to_accuracy.py)",
+    "time_to_accuracy_replicas": "ipm at K = 2-16 against single, equal epochs (benchmarks/time_to_accuracy.py --part replicas)",
     "round_breakdown": "Where a round's time goes (benchmarks/round_breakdown.py)",
     "decode": "Image folders: decode and augment (benchmarks/decode.py)",
     "averaging": "Averaging against point-to-point copies (benchmarks/averaging.py)",

@@ -137,8 +137,10 @@ _MIX_RE = re.compile(r"^(\d{1,9})(ep)?$")  # nine digits: a billion steps is pas
 class AverageConfig:
     """As in TrainConfig, the strategy fills the fields of Strategy.PLAIN left None or "auto"."""
 
-    mix_every: str | int = opt("10", "round length H: 10 = ten local steps, 1ep = one epoch (ipm "
-                               "averages after each round; async's delta pushes after H steps)",
+    mix_every: str | int = opt("auto", "round length H: 10 = ten local steps, 1ep = one epoch "
+                               "(ipm averages after each round; async's delta pushes after H "
+                               "steps); auto: the strategy's recipe (ipm with adam: 1 from 8 "
+                               "replicas, IPM.SYNC_FROM_K), else 10",
                                flag="--mix-every", metavar="H", unit="steps")
     # Fewer levels move fewer float64 partial sums (benchmarks/averaging.py).
     fan_in: int = opt(4, "inputs per average- task of the reduction tree (dask's split_every)",
@@ -170,8 +172,9 @@ class AverageConfig:
     def validate(self) -> None:
         check_types(self, "average.")
         match = _MIX_RE.match(str(self.mix_every))
-        check(match is not None and int(match.group(1)) >= 1, "average.mix_every",
-               "must be a positive step count like 10 or epochs like 1ep", self.mix_every)
+        check(self.mix_every == "auto" or (match is not None and int(match.group(1)) >= 1),
+              "average.mix_every", "must be a positive step count like 10, epochs like 1ep or "
+              "auto", self.mix_every)
         check(self.fan_in >= 2, "average.fan_in", "must be >= 2", self.fan_in)
         check(self.fan_in <= 1024, "average.fan_in", "must be <= 1024", self.fan_in)
         check(self.outer_lr is None or self.outer_lr > 0, "average.outer_lr", "must be > 0",
@@ -190,7 +193,10 @@ class AverageConfig:
         in_range(self.link_gbps, 0, 10_000, "average.link_gbps", closed_lo=False)
 
     def period(self, steps_per_epoch: int) -> int:
-        """H in local steps: "10" -> 10, "2ep" -> 2 * steps_per_epoch."""
+        """H in local steps: "10" -> 10, "2ep" -> 2 * steps_per_epoch ("auto" is filled by the
+        strategy first: ``Policy.resolve``)."""
+        if self.mix_every == "auto":
+            raise ValueError("average.mix_every is auto: resolve the config with its strategy")
         number, epochs = _MIX_RE.match(str(self.mix_every)).groups()
         return int(number) * steps_per_epoch if epochs else int(number)
 

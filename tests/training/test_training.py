@@ -104,6 +104,56 @@ def test_recipe_fills_auto_fields_for_ipm_k_gt_1_only():
     assert grad.average.outer_lr == 1.0 and grad.train.lr_scaling == "none"
 
 
+@pytest.mark.parametrize("k, optimizer, given, h", [
+    (2, "adam", "auto", "10"), (4, "adam", "auto", "10"), (8, "adam", "auto", "1"),
+    (16, "adam", "auto", "1"), (8, "momentum", "auto", "10"), (16, "adam", "5", "5")])
+def test_recipe_averages_every_step_from_k8(k, optimizer, given, h):
+    """H = 1 from IPM.SYNC_FROM_K replicas with Adam (docs/strategies.md, "K = 2 to 16"); H = 10
+    below it, without the recipe's optimizer, and for async; an H given by hand wins."""
+    from pipeline.training import strategies
+    cfg = _config(**{"train.replicas": k, "train.optimizer": optimizer,
+                     "average.mix_every": given})
+    assert strategies.get("ipm").resolve(cfg).average.mix_every == h
+    assert strategies.get("ipm").resolve(cfg.replace(**{"train.recipe": False})
+                                         ).average.mix_every == ("10" if given == "auto" else given)
+    assert strategies.get("async").resolve(cfg).average.mix_every == ("10" if given == "auto"
+                                                                      else given)
+
+
+@pytest.mark.parametrize("k", [2, 4, 8, 16])
+def test_plain_config_with_k_replicas_resolves_to_the_recipe(k):
+    """What a plain ``train`` with K replicas and Adam runs is ``IPM.recipe`` for that K: every
+    field the recipe fills, nothing given by hand (the recipe for every K)."""
+    from pipeline.training import prepare, strategies
+    plain = _config(**{"train.replicas": k, "train.optimizer": "adam"})
+    assert plain.train.strategy == "ipm"  # the default strategy
+    recipe = strategies.get("ipm").recipe(plain)
+    resolved = prepare.normalise(plain)
+    assert recipe and {name: getattr(getattr(resolved, name.split(".")[0]), name.split(".")[1])
+                       for name in recipe} == recipe
+
+
+def test_train_with_k16_records_and_runs_the_recipe(tmp_path, dask_client):
+    """A plain ``train`` call with 16 replicas writes the recipe's values to config.json, and its
+    rounds train at the recipe's rates: a warmup over the first epoch, then lr x its scaling."""
+    from pipeline.core.schedule import learning_rate
+    from pipeline.training import strategies
+    cfg = _config(tmp_path, **{"train.replicas": 16, "train.batch_size": 8, "train.epochs": 2,
+                               "train.optimizer": "adam", "train.lr": 1e-3})
+    train(cfg, client=dask_client)
+    written = json.loads((tmp_path / "config.json").read_text())
+    recipe = strategies.get("ipm").recipe(cfg)
+    assert {n: written[n.split(".")[0]][n.split(".")[1]] for n in recipe} == recipe
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    per_epoch = 512 // (16 * 8)  # 4 steps: one round an epoch (rounds never straddle epochs)
+    warmup = round(recipe["train.warmup_epochs"] * per_epoch)
+    expected = [learning_rate(1e-3, 16, recipe["train.lr_scaling"], warmup, x["step"] - 1)
+                for x in lines]
+    assert [x["lr"] for x in lines] == pytest.approx(expected)
+    assert lines[-1]["lr"] == pytest.approx(1e-3 * {"none": 1, "sqrt": 4, "linear": 16}[
+        recipe["train.lr_scaling"]])
+
+
 def test_existing_run_is_not_overwritten(tmp_path, dask_client):
     cfg = _config(tmp_path, **{"train.strategy": "single", "train.replicas": 1,
                                "train.epochs": 0.25})

@@ -69,6 +69,11 @@ def average_outer(previous: dict, mean: dict, momentum_buf: dict | None, lr: flo
 class IPM(Strategy):
     name = "ipm"
     mix = "every"
+    # From this many replicas the recipe averages after every step (H = 1). On 5,000 real
+    # images (cifar10-2015, batch 100, 20 epochs) K = 8 with H = 1 averaged 0.471 over epochs
+    # 16-20 against 0.453 with H = 10 (cut to 6 by the epoch's end), single 0.527; K <= 4 keeps
+    # H = 10 (K = 4 on 17,966 images: 0.6 points from single). docs/strategies.md, "K = 2 to 16".
+    SYNC_FROM_K = 8
 
     @classmethod
     def recipe(cls, config) -> dict:
@@ -89,12 +94,19 @@ class IPM(Strategy):
         took small-cnn's README example from lr 0.01 to 0.04, next to the 0.05 at which it stays
         at chance. The warmup is a fixed epoch, not a share of the run, so ``--resume --epochs``
         to a longer run still equals that run.
+
+        From ``SYNC_FROM_K`` replicas on, the round is one step (H = 1): at equal epochs K = 8
+        takes 1/8 of single's steps, and each of them goes further as the exact mean of K
+        steps from the same weights than as the mean of K 6-step trajectories that drifted
+        apart; larger steps instead (x sqrt(K), an outer momentum) and a cosine decay each lost
+        3-5 points at K = 8 (docs/strategies.md).
         """
         t = config.train
         if t.replicas == 1 or t.optimizer != "adam":
             return {}
         return {"train.lr_scaling": "none", "train.warmup_epochs": 1.0,
-                "average.optimizer_state": "average"}
+                "average.optimizer_state": "average",
+                "average.mix_every": "1" if t.replicas >= cls.SYNC_FROM_K else "10"}
 
     def outer_lr(self, rnd) -> float:
         """The outer lr of a round: 1 -> ``average.outer_lr`` linearly over the outer warmup."""

@@ -19,7 +19,7 @@ class Policy:
     PLAIN = {"train.lr_scaling": "none", "train.warmup_epochs": 0.0, "train.beta1": 0.9,
              "train.beta2": 0.999, "train.adam_eps": 1e-8, "average.outer_lr": 1.0,
              "average.outer_warmup_epochs": 0.0, "average.optimizer_state": "keep",
-             "average.adaptive_outer": False}
+             "average.adaptive_outer": False, "average.mix_every": "10"}
 
     @classmethod
     def recipe(cls, config) -> dict:
@@ -46,8 +46,8 @@ class Policy:
 
     @classmethod
     def period_of(cls, config, per_epoch: int) -> int:
-        """Local steps per round."""
-        return config.average.period(per_epoch)
+        """Local steps per round (an unresolved config's ``auto`` H is its recipe's)."""
+        return cls.resolve(config).average.period(per_epoch)
 
     @classmethod
     def plan(cls, config, n_train: int, done: list = ()) -> tuple[list[Round], int, int]:
