@@ -284,12 +284,12 @@ def grad_x(gy, w, x_shape: tuple, stride: tuple, pad: tuple, threads: int = 1,
     if onednn.usable(gy.dtype, w.shape, stride, pad, read):
         part = onednn.grad_x(gy, w, (n, *read, c), tuple(stride), tuple(pad), threads,
                              bf16 or gy.dtype == np.uint16)
-        if part is not None and read == (h, wd):
-            return part
-        if part is not None:  # rows and columns no window reads get no gradient
+        if part is not None and read != (h, wd):  # no gradient where no window reads
             gx = np.zeros(x_shape, part.dtype)
             gx[:, :read[0], :read[1]] = part
             return gx
+        if part is not None:
+            return part
     gy = _f32(gy)
     if (sy, sx) == (1, 1) and ph < kh and pw < kw:
         qh, qw = kh - 1 - ph, kw - 1 - pw

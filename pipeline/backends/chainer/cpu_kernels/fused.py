@@ -133,10 +133,7 @@ def _by_slices(fn, size: int, row: int = 1) -> None:
     elements shared among ``sharing.threads()`` threads: element-wise work (row by row), so
     the same bits at any count. The per-channel sums stay one sequential loop each (their
     order is their bits)."""
-    step = max(1, SLICE // max(1, row))
-    bounds = [(lo, min(size, lo + step)) for lo in range(0, size, step)]
-    sharing.run(lambda share: [fn(lo, hi) for lo, hi in share],
-                sharing.deal(bounds, sharing.threads()))
+    sharing.each(fn, sharing.slices(size, max(1, SLICE // max(1, row))))
 
 
 def statistics(x: np.ndarray, use_compiled: bool = True) -> tuple:

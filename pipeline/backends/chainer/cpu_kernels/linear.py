@@ -127,8 +127,7 @@ def product(a, b, bf16: bool, by_rows: bool = False, bias=None) -> np.ndarray:
             if pbias is not None:
                 po += pbias
 
-    sharing.run(lambda share: [piece(lo, hi) for lo, hi in share],
-                sharing.deal(pieces(m if by_rows else n), sharing.threads()))
+    sharing.each(piece, pieces(m if by_rows else n))
     return out
 
 

@@ -113,9 +113,8 @@ def as_bf16(a) -> np.ndarray:
         return round_bf16(a)
     out = np.empty(a.shape, np.uint16)
     src, dst = a.reshape(-1), out.reshape(-1)
-    bounds = [(lo, min(a.size, lo + ROUND_SLICE)) for lo in range(0, a.size, ROUND_SLICE)]
-    sharing.run(lambda share: [round_bf16(src[lo:hi], dst[lo:hi]) for lo, hi in share],
-                sharing.deal(bounds, sharing.threads()))
+    sharing.each(lambda lo, hi: round_bf16(src[lo:hi], dst[lo:hi]),
+                 sharing.slices(a.size, ROUND_SLICE))
     return out
 
 

@@ -73,6 +73,26 @@ def in_order(parts: list) -> list:
     return ordered
 
 
+def slices(size: int, step: int) -> list:
+    """[lo, hi) ranges of at most ``step`` cutting ``size``: fixed by the two alone.
+
+    >>> slices(5, 2)
+    [(0, 2), (2, 4), (4, 5)]
+    """
+    return [(lo, min(size, lo + step)) for lo in range(0, size, step)]
+
+
+def each(fn, bounds: list) -> None:
+    """``fn(lo, hi)`` for every range of ``bounds``, the ranges dealt among ``threads()``
+    threads (work that writes disjoint parts: the same result at any count).
+
+    >>> seen = []
+    >>> each(lambda lo, hi: seen.append((lo, hi)), slices(5, 2)); sorted(seen)
+    [(0, 2), (2, 4), (4, 5)]
+    """
+    run(lambda share: [fn(lo, hi) for lo, hi in share], deal(bounds, threads()))
+
+
 def ranges(n: int, threads: int) -> list:
     """[lo, hi) ranges cutting ``n`` rows into min(threads, n) contiguous, near-equal parts.
 
