@@ -72,3 +72,20 @@ def bench_config(a, **fields):
 def emit(figures: dict) -> None:
     """The last line of every benchmark: one JSON object."""
     print(json.dumps(figures), flush=True)
+
+
+def real_cifar(path: str, n_train: int, n_test: int | None = None):
+    """``(x, y, x_test, y_test)``: the first ``n_train`` training images of a CIFAR-10 python
+    tarball (its batches in order) and the first ``n_test`` of its test split (all: None), uint8
+    images (N, 3, 32, 32) and their labels."""
+    import numpy as np
+
+    from pipeline.data.cifar import LAYOUTS, parse_batch, read_archive
+    lay = LAYOUTS["cifar10-python"]
+    top, files, _ = read_archive(path, None)
+    split = {}
+    for name, members in (("train", lay.train), ("test", lay.test)):
+        parts = [parse_batch(lay.key, files[f"{top}/{m}"], m) for m in members]
+        split[name] = (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+    (x, y), (xt, yt) = split["train"], split["test"]
+    return x[:n_train], y[:n_train], xt[:n_test], yt[:n_test]

@@ -52,7 +52,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import emit, local_client  # noqa: I001
+from _common import emit, local_client, real_cifar  # noqa: I001
 
 HERE = Path(__file__).resolve().parent
 REAL = "/work/shared/data/cifar10-jpeg-20k/cifar-10-python.tar.gz"
@@ -148,17 +148,7 @@ def step_part(a, exe: str) -> dict:
 
 def load_real(a):
     """The first ``--train-images`` / ``--test-images`` of the archive as uint8 arrays."""
-    import numpy as np
-
-    from pipeline.data.cifar import LAYOUTS, parse_batch, read_archive
-    lay = LAYOUTS["cifar10-python"]
-    top, files, _ = read_archive(a.data, None)
-    split = {}
-    for name, members in (("train", lay.train), ("test", lay.test)):
-        parts = [parse_batch(lay.key, files[f"{top}/{m}"], m) for m in members]
-        split[name] = (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
-    (x, y), (xt, yt) = split["train"], split["test"]
-    return x[:a.train_images], y[:a.train_images], xt[:a.test_images], yt[:a.test_images]
+    return real_cifar(a.data, a.train_images, a.test_images)
 
 
 def first_reach(curve, target):

@@ -38,7 +38,7 @@ import json
 import os
 import time
 
-from _common import emit, local_client  # noqa: I001
+from _common import emit, local_client, real_cifar  # noqa: I001
 
 REAL = "/work/shared/data/cifar10-jpeg-20k/cifar-10-python.tar.gz"
 
@@ -68,18 +68,9 @@ def run(cfg, client=None, label="", data=None):
 def real_subset(path: str, n: int):
     """The first ``n`` training images of a CIFAR-10 python tarball and its whole test split, as
     ``train(data=...)`` takes them: ``(n, 3, 32, 32) uint8`` images, ``(n,) int32`` labels."""
-    import numpy as np
-
     from pipeline.data.arrays import ArrayData
-    from pipeline.data.cifar.archive import read_archive
-    from pipeline.data.cifar.parse import parse_batch
-    _, members, _ = read_archive(path, None)
-    parts = {name: parse_batch("cifar10-python", raw, name) for name, raw in members.items()
-             if "_batch" in name}
-    train = [parts[k] for k in sorted(parts) if "data_batch" in k]
-    test = next(v for k, v in parts.items() if "test_batch" in k)
-    x, y = np.concatenate([t[0] for t in train]), np.concatenate([t[1] for t in train])
-    return ArrayData(x[:n], y[:n], test[0], test[1], n_classes=10)
+    x, y, xt, yt = real_cifar(path, n)
+    return ArrayData(x, y, xt, yt, n_classes=10)
 
 
 def per_epoch_steps(n_train: int, k: int, batch: int) -> int:
